@@ -1,0 +1,46 @@
+"""Scheduler and KV-cache configuration (frozen; facts learned at run time travel as messages)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    policy: str = "fcfs"
+    # Caps the tokens one prefill chunk may take in a step (0: no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be at least max_model_len "
+                f"({self.max_model_len}), or long prompts could never be scheduled")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Physical KV blocks, including the reserved null block 0 (so num_blocks - 1 are usable).
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), "
+                             f"got {self.num_blocks}")

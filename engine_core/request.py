@@ -1,0 +1,103 @@
+"""A request as the scheduler tracks it, and its status."""
+from __future__ import annotations
+
+import enum
+import sys
+import time
+
+from protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Every status above PREEMPTED is final.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One generation request, described by token counts.
+
+    Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, `num_tokens` is its
+    length and `0 <= num_computed_tokens <= num_tokens`. Tokens `[0, num_computed_tokens)` have
+    (or, once this step runs, will have) their KV in the request's blocks. Each step schedules
+    some of the remaining `num_tokens - num_computed_tokens` tokens and advances
+    `num_computed_tokens` at once; when it reaches `num_tokens` the worker samples a token,
+    `num_tokens` grows by one, and the request is behind by one token again. Prefill, chunked
+    prefill, prefix-cache hits and recompute after preemption are all this one rule.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time",
+                 "priority", "eos_token_id", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
+                 "stop_reason", "num_preemptions", "max_tokens")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float | None = None,
+                 priority: int = 0, eos_token_id: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        # Wire handle, assigned when first scheduled and kept until the request finishes.
+        self.req_id = -1
+        # Chained hashes of the full blocks of all_token_ids, extended lazily.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.max_tokens = sampling_params.max_tokens or sys.maxsize
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, req_id={self.req_id}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

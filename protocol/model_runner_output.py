@@ -1,0 +1,36 @@
+"""What rank 0 returns to the scheduler after running one step."""
+from __future__ import annotations
+
+import msgspec
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class SampleLogprobs(msgspec.Struct, **_WIRE):
+    """Log-probabilities around one sampled token, from the model's raw distribution.
+
+    `token_ids[0]` is the sampled token and `logprobs[0]` its log-probability; the rest are
+    the top-n tokens in descending order. `rank` is the sampled token's 1-based rank.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class ModelRunnerOutput(msgspec.Struct, tag=2, **_WIRE):
+    """New tokens per scheduled request, in `req_ids` order.
+
+    `sampled_token_ids[i]` is empty for a prefill chunk that did not reach the end of the
+    prompt. `logprobs[i]` holds one entry per sampled token of request i when it asked for
+    logprobs, else None; the whole column is None when no request asked.
+    """
+
+    req_ids: list[int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[SampleLogprobs] | None] | None = None
+    step: int = 0
+
+    @property
+    def req_id_to_index(self) -> dict[int, int]:
+        return {req_id: i for i, req_id in enumerate(self.req_ids)}

@@ -1,0 +1,100 @@
+"""Sampling parameters: vLLM's field names and defaults, validated on construction and decode."""
+from __future__ import annotations
+
+import msgspec
+
+# Below this temperature sampling is greedy (argmax), as in vLLM.
+GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How to sample one request's tokens.
+
+    `max_tokens=None` means "up to max_model_len"; the front-end resolves it per prompt.
+    `top_k` of 0 or -1 disables top-k. A `seed` makes sampling reproducible per request,
+    independent of batch composition and identical on every tensor-parallel rank.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check_types(self)
+        _check_ranges(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+
+
+def _check_types(p: SamplingParams) -> None:
+    for name in _INT_FIELDS:
+        _expect(name, getattr(p, name), int)
+    for name in _FLOAT_FIELDS:
+        _expect(name, getattr(p, name), (int, float))
+    for name in _OPTIONAL_INT_FIELDS:
+        value = getattr(p, name)
+        if value is not None:
+            _expect(name, value, int)
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        _expect(name, getattr(p, name), bool)
+    if p.stop is not None and not all(isinstance(s, str) and s for s in p.stop):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {p.stop!r}")
+    if p.stop_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be non-negative ints, got {p.stop_token_ids!r}")
+
+
+def _expect(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ValueError(f"{name} must be of type {getattr(kind, '__name__', 'number')}, "
+                         f"got {value!r}")
+
+
+def _check_ranges(p: SamplingParams) -> None:
+    rules = (
+        ("n", p.n >= 1, "at least 1"),
+        ("temperature", p.temperature >= 0.0, "non-negative"),
+        ("top_p", 0.0 < p.top_p <= 1.0, "in (0, 1]"),
+        ("top_k", p.top_k >= -1, "-1 or 0 (disabled), or at least 1"),
+        ("min_p", 0.0 <= p.min_p <= 1.0, "in [0, 1]"),
+        ("max_tokens", p.max_tokens is None or p.max_tokens >= 1, "at least 1"),
+        ("min_tokens", p.min_tokens >= 0, "non-negative"),
+        ("min_tokens", p.max_tokens is None or p.min_tokens <= p.max_tokens,
+         f"at most max_tokens ({p.max_tokens})"),
+        ("presence_penalty", -2.0 <= p.presence_penalty <= 2.0, "in [-2, 2]"),
+        ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, "in [-2, 2]"),
+        ("repetition_penalty", p.repetition_penalty > 0.0, "positive"),
+        ("logprobs", p.logprobs is None or p.logprobs >= 0, "non-negative"),
+    )
+    for name, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{name} must be {expected}, got {getattr(p, name)!r}")
