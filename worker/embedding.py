@@ -1,0 +1,42 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.tensor_parallel import TensorParallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows `[r * V_r, (r + 1) * V_r)` of the table, V padded to a multiple of the
+    group size; a lookup embeds the ids it owns, zeros the rest, and all-reduces."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size),
+                                   requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.masked_fill(~owned, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(~owned.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocab slice, gathered to the full (unpadded) vocab."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        return logits[..., :self.vocab_size]

@@ -1,0 +1,154 @@
+"""The worker's persistent per-request state, updated by each step's deltas."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.int_column import IntColumn
+from protocol.sampling_params import SamplingParams
+from protocol.scheduler_output import NewRequestData, SchedulerOutput
+
+
+class StepProtocolError(RuntimeError):
+    """A step message contradicts what this worker knows (a desync, never guessed around)."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    generator: torch.Generator | None  # per-request seed: same draws on every run and rank
+
+
+class InputBatch:
+    """One row per live request handle, kept until the request finishes (also while it is
+    preempted: the worker keeps its tokens, only its blocks are gone).
+
+    Row r holds `token_ids[r, :num_tokens[r]]` (prompt then outputs; the worker appends its own
+    samples), `num_computed[r]` tokens with KV in `block_table[r, :num_blocks[r]]`.
+    """
+
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device,
+                 rows: int = 16) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((rows, max_model_len + 1), np.int32)
+        self.num_tokens = np.zeros(rows, np.int64)
+        self.num_prompt_tokens = np.zeros(rows, np.int64)
+        self.num_computed = np.zeros(rows, np.int64)
+        self.block_table = np.zeros((rows, self.max_blocks), np.int32)
+        self.num_blocks = np.zeros(rows, np.int64)
+        self.row_of_handle = np.full(rows, -1, np.int64)
+        self.states: list[RequestState | None] = [None] * rows
+        self._free_rows = list(range(rows))
+
+    # --- deltas -----------------------------------------------------------------------------
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Finished leave, preempted lose their blocks, new arrive, cached update."""
+        for handle in so.finished_req_ids:
+            self._remove(handle)
+        for handle in so.preempted_req_ids:
+            self.num_blocks[self._row(handle)] = 0
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        cached = so.scheduled_cached_reqs
+        if not len(cached.req_ids):
+            return
+        rows = self.rows_of(cached.req_ids)
+        resumed = np.isin(rows, self.rows_of(cached.resumed_req_ids))
+        computed = as_array(cached.num_computed_tokens)
+        stale = ~resumed & (self.num_computed[rows] != computed)
+        if stale.any():
+            i = int(np.flatnonzero(stale)[0])
+            raise StepProtocolError(
+                f"step {so.step}: handle {cached.req_ids[i]} has {self.num_computed[rows[i]]} "
+                f"computed tokens here, the scheduler says {computed[i]}")
+        self.num_computed[rows] = computed
+        self.num_blocks[rows[resumed]] = 0  # a resumed request's list is replaced
+        for i, block_ids in enumerate(cached.new_block_ids):
+            if block_ids:
+                self._append_blocks(int(rows[i]), block_ids)
+
+    def rows_of(self, handles: IntColumn | list[int]) -> np.ndarray:
+        handles = as_array(handles) if len(handles) else np.zeros(0, np.int64)
+        if len(handles) and int(handles.max()) >= len(self.row_of_handle):
+            raise StepProtocolError(f"unknown request handle {int(handles.max())}")
+        rows = self.row_of_handle[handles]
+        if (rows < 0).any():
+            raise StepProtocolError(f"unknown request handle {int(handles[rows < 0][0])}")
+        return rows
+
+    def _row(self, handle: int) -> int:
+        return int(self.rows_of([handle])[0])
+
+    def _add(self, new: NewRequestData) -> None:
+        if new.req_id < len(self.row_of_handle) and self.row_of_handle[new.req_id] >= 0:
+            raise StepProtocolError(f"new request handle {new.req_id} is already live")
+        n = len(new.prompt_token_ids)
+        if n >= self.token_ids.shape[1]:
+            raise StepProtocolError(f"prompt of {n} tokens exceeds max_model_len")
+        if not self._free_rows:
+            self._grow()
+        row = heapq.heappop(self._free_rows)
+        if new.req_id >= len(self.row_of_handle):
+            grown = np.full(max(2 * len(self.row_of_handle), new.req_id + 1), -1, np.int64)
+            grown[:len(self.row_of_handle)] = self.row_of_handle
+            self.row_of_handle = grown
+        self.row_of_handle[new.req_id] = row
+        self.token_ids[row, :n] = new.prompt_token_ids
+        self.num_tokens[row] = self.num_prompt_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.states[row] = RequestState(new.request_id, params, new.eos_token_id, generator)
+
+    def _remove(self, handle: int) -> None:
+        row = self._row(handle)
+        self.row_of_handle[handle] = -1
+        self.states[row] = None
+        heapq.heappush(self._free_rows, row)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        if start + len(block_ids) > self.max_blocks:
+            raise StepProtocolError(f"{start + len(block_ids)} blocks exceed max_model_len")
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def _grow(self) -> None:
+        old = len(self.states)
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed",
+                     "block_table", "num_blocks"):
+            array = getattr(self, name)
+            grown = np.zeros((2 * old, *array.shape[1:]), array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self.states += [None] * old
+        for row in range(old, 2 * old):
+            heapq.heappush(self._free_rows, row)
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    def prompt_and_output(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        n, p = int(self.num_tokens[row]), int(self.num_prompt_tokens[row])
+        return self.token_ids[row, :p], self.token_ids[row, p:n]
+
+
+def as_array(column: IntColumn | list[int]) -> np.ndarray:
+    if isinstance(column, IntColumn):
+        return np.frombuffer(column, dtype=column.typecode).astype(np.int64)
+    return np.asarray(column, dtype=np.int64)

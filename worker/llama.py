@@ -1,0 +1,116 @@
+"""The Llama decoder family: Llama, Mistral (no sliding window), Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Tensor parallelism lives in the layers; shapes are per rank."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention_backend import AttentionBackend
+from worker.attention_metadata import AttentionMetadata
+from worker.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.model_config import ModelConfig
+from worker.rms_norm import RMSNorm
+from worker.rotary_embedding import RotaryEmbedding
+from worker.tensor_parallel import TensorParallel
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) cache tensors
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, tp, config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim, self.scale, self.backend = d, d ** -0.5, backend
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        n, d = hidden.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+                                         metadata, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                          config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary_emb)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections stored inside a merged parameter: name -> (merged name, part).
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp, backend, max_positions)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32, identical on every rank."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -1,0 +1,128 @@
+"""What a worker needs from a Hugging Face `config.json`, validated."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or a config value this engine does not implement."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on each query and key head before RoPE (Qwen3)
+    dtype: torch.dtype
+    eos_token_id: int | None
+    hf: dict[str, Any] = field(repr=False, compare=False)
+
+    @staticmethod
+    def from_pretrained(model_dir: str) -> ModelConfig:
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+        with open(path) as f:
+            return ModelConfig.from_dict(json.load(f))
+
+    @staticmethod
+    def from_dict(hf: dict[str, Any]) -> ModelConfig:
+        arch = _architecture(hf)
+        _check_values(arch, hf)
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        return ModelConfig(
+            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=_DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+                              torch.float32),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos, hf=hf)
+
+    def resolve_dtype(self, dtype: str) -> torch.dtype:
+        """`auto` means the checkpoint's dtype; otherwise one of float32/bfloat16/float16."""
+        if dtype == "auto":
+            return self.dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        return _DTYPES[dtype]
+
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not archs and hf.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf["model_type"]]
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or hf.get('model_type')!r}; deltaserve supports "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_values(arch: str, hf: dict[str, Any]) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only 'silu')")
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    if window is not None and uses_window and window < hf.get("max_position_embeddings", 0):
+        raise UnsupportedModelError(
+            f"unsupported sliding_window={window} (shorter than max_position_embeddings); "
+            "sliding-window attention is not implemented")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("unsupported mlp_bias=true")
+    if hf["num_attention_heads"] % (hf.get("num_key_value_heads") or hf["num_attention_heads"]):
+        raise UnsupportedModelError("num_attention_heads must be a multiple of "
+                                    "num_key_value_heads")
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}; supported: "
+                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    return None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)

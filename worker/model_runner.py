@@ -1,0 +1,103 @@
+"""Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
+from __future__ import annotations
+
+import torch
+
+from protocol.model_runner_output import ModelRunnerOutput
+from protocol.scheduler_output import SchedulerOutput
+from protocol.worker_messages import WorkerConfig
+from worker.attention_backend import make_attention_backend
+from worker.input_batch import InputBatch, StepProtocolError
+from worker.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from worker.model_config import ModelConfig
+from worker.model_loader import load_model
+from worker.sampler import Sampler
+from worker.step_inputs import prepare_step
+from worker.tensor_parallel import TensorParallel
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but no CUDA GPU is available")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """Holds the model, this rank's KV cache and the persistent batch.
+
+    `execute_model` applies each `SchedulerOutput` in step order; a step number that does not
+    follow the previous one raises `StepProtocolError` instead of guessing.
+    """
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallel | None = None) -> None:
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.dtype = self.model_config.resolve_dtype(config.dtype)
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.block_size
+        self.attention = make_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.model_config, self.dtype, self.device,
+                                self.tp, self.attention, self.max_model_len)
+        self.num_blocks = self._num_blocks()
+        attn = self.model.model.layers[0].self_attn
+        self.kv_caches = allocate_kv_cache(self.num_blocks, self.model_config.num_hidden_layers,
+                                           self.block_size, attn.num_kv_heads, attn.head_dim,
+                                           self.dtype, self.device)
+        self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device)
+        self.sampler = Sampler(config.seed, self.device)
+        self.last_step = 0
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        return wanted
+
+    def _num_blocks(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        block_bytes = bytes_per_block(self.model_config.num_hidden_layers, self.block_size,
+                                      attn.num_kv_heads, attn.head_dim, self.dtype)
+        max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        return determine_num_blocks(
+            block_bytes, self.device, max_useful=max_useful,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.config.num_gpu_blocks_override,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            world_size=self.tp.world_size)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        if so.step and so.step != self.last_step + 1:
+            raise StepProtocolError(f"expected step {self.last_step + 1}, got step {so.step}")
+        self.last_step = so.step or self.last_step
+        self.input_batch.apply(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [], step=so.step)
+        step = prepare_step(self.input_batch, so)
+        self.attention.plan(step.metadata)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        sampled_rows = step.rows[step.sampled]
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs = None
+        if len(sampled_rows):
+            logits = self.model.compute_logits(hidden[step.logits_indices])
+            tokens, row_logprobs = self.sampler.sample(
+                logits, self.sampler.rows(self.input_batch, sampled_rows))
+            self.input_batch.append_tokens(sampled_rows, tokens)
+            positions = step.sampled.nonzero()[0].tolist()
+            for i, token in zip(positions, tokens):
+                sampled[i] = [token]
+            if row_logprobs is not None:
+                logprobs = [None] * len(step.req_ids)
+                for i, entry in zip(positions, row_logprobs):
+                    logprobs[i] = [entry] if entry is not None else None
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step=so.step)
