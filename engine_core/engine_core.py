@@ -19,15 +19,20 @@ class ModelExecutor(Protocol):
 class EngineCore:
     """Adds and aborts requests and runs steps: schedule, execute, update."""
 
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor,
+                 vocab_size: int | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.arrival_time, message.priority, message.eos_token_id)
         try:
+            if self.vocab_size and max(message.prompt_token_ids, default=0) >= self.vocab_size:
+                raise ValueError(f"prompt token id {max(message.prompt_token_ids)} is outside "
+                                 f"the vocabulary (size {self.vocab_size})")
             self.scheduler.add_request(request)
         except ValueError as e:
             return [EngineCoreOutput(message.request_id, [], "error", error=str(e))]

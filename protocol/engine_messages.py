@@ -75,6 +75,7 @@ class EngineReady(msgspec.Struct, tag=21, **_WIRE):
     num_blocks: int
     block_size: int
     world_size: int = 1
+    vocab_size: int = 0
 
 
 class EngineFailed(msgspec.Struct, tag=22, **_WIRE):

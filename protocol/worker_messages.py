@@ -58,6 +58,7 @@ class WorkerReady(msgspec.Struct, tag=41, **_WIRE):
     max_model_len: int
     device: str = "cpu"
     attention_backend: str = "torch"
+    vocab_size: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=42, **_WIRE):

@@ -24,11 +24,36 @@ class NearTieWarning(UserWarning):
     """Our greedy tokens left the reference's at a near-tie of its logits."""
 
 
+CORPUS = ("The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
+          "Pack my box with five dozen liquor jugs! print('hello, world')\n") * 20
+
+
+def save_tiny_tokenizer(directory: str) -> int:
+    """A byte-level BPE trained on CORPUS (deterministic, offline); returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return len(fast)
+
+
 def make_tiny_model(directory: str, arch: str = "llama", seed: int = 0,
-                    dtype: torch.dtype = torch.float32, **overrides) -> str:
-    """Save a tiny random model (2 layers, hidden 64, GQA 4:2) as a HF directory."""
+                    dtype: torch.dtype = torch.float32, tokenizer: bool = False,
+                    **overrides) -> str:
+    """Save a tiny random model (2 layers, hidden 64, GQA 4:2) as a HF directory; with
+    `tokenizer`, a BPE tokenizer too, whose EOS is the model's."""
     import transformers
     config_cls, model_cls, extra = ARCHS[arch]
+    if tokenizer:
+        size = save_tiny_tokenizer(directory)
+        extra = {**extra, "vocab_size": size, "eos_token_id": 0}  # <|endoftext|> is trained first
     values = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.1, eos_token_id=None, bos_token_id=None,

@@ -1,0 +1,140 @@
+"""The engine-core process: sockets and a busy loop around an `EngineCore`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import traceback
+
+import msgspec
+import zmq
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.engine_core import EngineCore
+from engine_core.scheduler import Scheduler
+from engine_core.worker_group import POLL_MS, WorkerFailure, WorkerGroup
+from launch.process import become_child, configure_logging
+from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
+                      EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError,
+                      ShutdownEngine)
+
+logger = logging.getLogger("deltaserve")
+
+
+class EngineCoreProc:
+    """Single-threaded: drain the front-end's messages, run a step whenever there is work,
+    send its outputs; while idle, block on the front-end socket for at most POLL_MS and check
+    the workers. Every frame goes through `_send`/`_receive`, the journal's one hook."""
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str,
+                 runtime_dir: str) -> None:
+        self.config = config
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_address)
+        self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
+        self.tap = None  # set by the journal (issue 6): called with (channel, frame, step)
+        self.workers = WorkerGroup(config, self.context, runtime_dir, self._tap)
+        self.engine: EngineCore | None = None
+
+    def run(self) -> int:
+        try:
+            self.engine = self._start()
+            self._loop()
+            return 0
+        except WorkerFailure as e:
+            logger.error("%s", e)
+            self._send(EngineFailed(str(e), e.process))
+        except Exception as e:  # report, then die: the front-end raises EngineDeadError
+            logger.error("engine core failed:\n%s", traceback.format_exc())
+            self._send(EngineFailed(f"engine_core failed: {type(e).__name__}: {e}"))
+        finally:
+            self.workers.shutdown()
+            self.input.close(linger=0)
+            self.output.close()
+            self.context.term()
+        return 1
+
+    def _start(self) -> EngineCore:
+        ready = self.workers.start()
+        c = self.config
+        max_model_len = ready.max_model_len
+        budget = c.max_num_batched_tokens or max(8192, 0 if c.enable_chunked_prefill
+                                                 else max_model_len)
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget,
+                            max_model_len=max_model_len, policy=c.policy,
+                            long_prefill_token_threshold=c.long_prefill_token_threshold,
+                            enable_chunked_prefill=c.enable_chunked_prefill),
+            CacheConfig(c.block_size, ready.num_blocks, c.enable_prefix_caching))
+        self._send(EngineReady(max_model_len, ready.num_blocks, c.block_size,
+                               c.tensor_parallel_size, ready.vocab_size))
+        logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
+                    max_model_len, ready.num_blocks, c.block_size)
+        return EngineCore(scheduler, self.workers, ready.vocab_size)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        was_busy = False
+        while True:
+            busy = engine.has_work()
+            outputs: list[EngineCoreOutput] = []
+            for message in self._receive(0 if busy else POLL_MS):
+                if isinstance(message, ShutdownEngine):
+                    return
+                outputs += engine.handle(message)
+            if engine.has_work():
+                _, step_outputs = engine.step()
+                outputs += step_outputs
+            else:
+                self.workers.check_alive()
+                if was_busy:  # audit the block pool whenever the engine goes idle
+                    engine.scheduler.check_integrity()
+            was_busy = busy
+            if outputs:
+                self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
+                                             engine.scheduler.get_stats()))
+
+    def _tap(self, channel: Channel, frame: bytes, step: int) -> None:
+        if self.tap is not None:
+            self.tap(channel, frame, step)
+
+    def _send(self, message: msgspec.Struct) -> None:
+        frame = self.encoder.encode(message)
+        self._tap(Channel.CORE_TO_FRONTEND, frame, self._step())
+        self.output.send(frame, copy=False)
+
+    def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
+        """Every message waiting on the front-end socket (waiting up to timeout_ms for the
+        first); malformed frames are logged and dropped."""
+        messages = []
+        if not self.input.poll(timeout_ms):
+            return messages
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            self._tap(Channel.FRONTEND_TO_CORE, frame, self._step())
+            try:
+                messages.append(self.decoder.decode(frame))
+            except ProtocolError as e:
+                logger.warning("dropped a frame from the front-end: %s", e)
+
+    def _step(self) -> int:
+        return self.engine.scheduler.step if self.engine is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_core")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--input", required=True, help="front-end -> engine core address")
+    parser.add_argument("--output", required=True, help="engine core -> front-end address")
+    parser.add_argument("--runtime-dir", required=True)
+    args = parser.parse_args(argv)
+    become_child("deltaserve::engine_core")
+    configure_logging()
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    return EngineCoreProc(config, args.input, args.output, args.runtime_dir).run()

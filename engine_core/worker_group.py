@@ -1,0 +1,188 @@
+"""The engine core's side of its workers: start, greet, broadcast steps, collect rank 0's answer."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import zmq
+
+from launch.process import describe_exit, free_port, spawn, stop_processes
+from protocol import (Channel, Codec, EngineConfig, ModelRunnerOutput, ProtocolError,
+                      SchedulerOutput, WorkerError, WorkerHello, WorkerInit, WorkerReady,
+                      WorkerShutdown)
+
+logger = logging.getLogger("deltaserve")
+POLL_MS = 100  # liveness is checked at least this often while waiting
+
+# Called with every frame crossing the worker socket: (channel, frame, step).
+FrameTap = Callable[[Channel, bytes, int], None]
+
+
+class WorkerFailure(RuntimeError):
+    """A worker failed or died; `process` names it (e.g. "worker_1")."""
+
+    def __init__(self, process: str, message: str) -> None:
+        super().__init__(message)
+        self.process = process
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersReady:
+    num_blocks: int  # the minimum over ranks
+    max_model_len: int
+    vocab_size: int
+
+
+class WorkerGroup:
+    """Implements `ModelExecutor` over a ROUTER socket; each worker is a DEALER.
+
+    Every step message is encoded once and sent to every rank, in step order, over ordered
+    connections, so each worker sees each step exactly once. Only rank 0 answers.
+    """
+
+    def __init__(self, config: EngineConfig, context: zmq.Context, runtime_dir: str,
+                 tap: FrameTap | None = None) -> None:
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if config.worker_address:
+            self.socket.bind(config.worker_address)
+        else:
+            self.socket.bind(f"ipc://{runtime_dir}/workers")
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.peers: dict[int, bytes] = {}  # rank -> socket identity
+        self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
+        self.tap = tap
+        self.step = 0
+
+    # --- start-up ---------------------------------------------------------------------------
+
+    def start(self) -> WorkersReady:
+        for rank in self.config.spawned_ranks:
+            self.procs[rank] = spawn("worker", ["--connect", self.address, "--rank", str(rank)])
+        host = urlparse(self.address).hostname if self.address.startswith("tcp") else None
+        dist_host = "127.0.0.1" if host in (None, "0.0.0.0", "*") else host
+        init = WorkerInit(self.config.worker_config(f"tcp://{dist_host}:{free_port(dist_host)}"))
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(ready))
+                raise WorkerFailure(f"worker_{missing[0]}",
+                                    f"workers {missing} were not ready within "
+                                    f"{self.config.startup_timeout_s:.0f} s")
+            message, identity = self._receive(POLL_MS)
+            if isinstance(message, WorkerHello):
+                self._greet(message, identity, init)
+            elif isinstance(message, WorkerReady):
+                ready[message.rank] = message
+            elif isinstance(message, WorkerError):
+                raise WorkerFailure(f"worker_{message.rank}", f"worker_{message.rank} failed "
+                                                              f"to start: {message.message}")
+        logger.info("workers ready: %s", ", ".join(
+            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend})"
+            for r, m in sorted(ready.items())))
+        return WorkersReady(min(m.num_blocks for m in ready.values()),
+                            min(m.max_model_len for m in ready.values()),
+                            min(m.vocab_size for m in ready.values()))
+
+    def _greet(self, hello: WorkerHello, identity: bytes, init: WorkerInit) -> None:
+        if not 0 <= hello.rank < self.world_size or hello.rank in self.peers:
+            logger.error("refusing worker with rank %d (pid %d, %s): already present or "
+                         "outside world size %d", hello.rank, hello.pid, hello.hostname,
+                         self.world_size)
+            self._send(identity, self.encoder.encode(WorkerShutdown()))
+            return
+        self.peers[hello.rank] = identity
+        self._send(identity, self.encoder.encode(init))
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.step = scheduler_output.step
+        frame = self.encoder.encode(scheduler_output)
+        for rank in range(self.world_size):
+            self._send(self.peers[rank], frame)
+        while True:
+            message, identity = self._receive(POLL_MS)
+            if isinstance(message, ModelRunnerOutput) and identity == self.peers[0]:
+                if message.step != scheduler_output.step:
+                    raise WorkerFailure("worker_0", f"answered step {message.step} to step "
+                                                    f"{scheduler_output.step}")
+                return message
+            if isinstance(message, WorkerError):
+                raise self._blame(WorkerFailure(
+                    f"worker_{message.rank}",
+                    f"worker_{message.rank} failed at step {message.step}: {message.message}"))
+
+    def check_alive(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise WorkerFailure(f"worker_{rank}", f"worker_{rank} (pid {proc.pid}) "
+                                                      f"{describe_exit(proc.returncode)}")
+
+    def _blame(self, failure: WorkerFailure, grace_s: float = 0.3) -> WorkerFailure:
+        """A peer's death often surfaces first as a socket disconnect or as a collective
+        failing on a survivor: prefer blaming a local process that turns out to be dead."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                self.check_alive()
+            except WorkerFailure as dead:
+                return dead
+            if time.monotonic() > deadline:
+                return failure
+            time.sleep(0.02)
+
+    def shutdown(self) -> None:
+        for identity in self.peers.values():
+            try:
+                self._send(identity, self.encoder.encode(WorkerShutdown()))
+            except zmq.ZMQError:
+                pass  # already gone
+        stop_processes(list(self.procs.values()))
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+    # --- the one seam every worker frame passes -----------------------------------------------
+
+    def _send(self, identity: bytes, frame: bytes | bytearray) -> None:
+        if self.tap is not None:
+            self.tap(Channel.CORE_TO_WORKER, frame, self.step)
+        try:
+            self.socket.send_multipart([identity, frame], copy=False)
+        except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
+            self.check_alive()
+            raise WorkerFailure("worker", f"cannot reach a worker: {e}") from None
+
+    def _receive(self, timeout_ms: int) -> tuple[object | None, bytes | None]:
+        """One decoded message and its sender, or (None, None) after the timeout. Checks
+        liveness on every call; malformed frames are logged and dropped."""
+        events = dict(self.poller.poll(timeout_ms))
+        self.check_alive()
+        if self.monitor in events:
+            self.monitor.recv_multipart()
+            if self.peers:
+                raise self._blame(WorkerFailure(
+                    "worker", f"a worker disconnected from {self.address}"))
+        if self.socket not in events:
+            return None, None
+        identity, frame = self.socket.recv_multipart()
+        if self.tap is not None:
+            self.tap(Channel.WORKER_TO_CORE, frame, self.step)
+        try:
+            return self.decoder.decode(frame), identity
+        except ProtocolError as e:
+            logger.warning("dropped a frame from a worker: %s", e)
+            return None, None

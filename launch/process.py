@@ -1,0 +1,99 @@
+"""Starting, naming, watching and stopping deltaserve's processes."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+logger = logging.getLogger("deltaserve")
+
+
+def make_runtime_dir() -> str:
+    """A fresh private directory (mode 0700) for one engine's ipc sockets."""
+    return tempfile.mkdtemp(prefix="deltaserve-")
+
+
+def spawn(module: str, args: list[str]) -> subprocess.Popen:
+    """`python -m module args...` as a child that survives neither us nor a Ctrl-C of its own:
+    it ignores SIGINT (the parent orchestrates shutdown) and watches its parent."""
+    env = dict(os.environ, DELTASERVE_PARENT_PID=str(os.getpid()))
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
+
+
+def become_child(title: str) -> None:
+    """Process-start ritual of a spawned child: name, SIGINT policy, parent watch."""
+    set_title(title)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.environ.get("DELTASERVE_PARENT_PID")
+    if parent:
+        watch_parent(int(parent))
+
+
+def set_title(title: str) -> None:
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover - setproctitle is a dependency
+        pass
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.2) -> None:
+    """Exit (without cleanup) as soon as the parent is gone: no orphans."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(interval_s)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 2.0) -> None:
+    """Wait up to `grace_s` for the processes to exit, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for signum in (None, signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        if not alive:
+            return
+        for p in alive:
+            if signum is not None:
+                p.send_signal(signum)
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 1.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(processName)s %(levelname)s "
+                                               "%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)

@@ -1,0 +1,175 @@
+"""Processes die, misbehave or get interrupted: errors are clear and nothing is left behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import zmq
+
+from engine_utils import engine_pids, titles, wait_gone
+from launch import LLM, EngineDeadError, SamplingParams
+from launch.process import free_port
+from model_utils import make_tiny_model
+from protocol import HEADER, Channel, Codec, WorkerHello
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("sup") / "m"), "llama", tokenizer=True)
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", num_gpu_blocks_override=64, max_model_len=256, **kwargs)
+
+
+def _generate_in_thread(llm: LLM) -> dict:
+    """Start a long generate; the dict receives its error and when it was raised."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            llm.generate(["def add(a, b):"] * 4, LONG, use_tqdm=False)
+        except Exception as e:
+            result["error"], result["at"] = e, time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    result["thread"] = thread
+    time.sleep(0.5)  # let it produce tokens
+    return result
+
+
+@pytest.mark.parametrize("victim", ["worker_1", "engine_core"])
+def test_sigkill_is_noticed_within_a_second(tiny, victim):
+    llm = _llm(tiny, tensor_parallel_size=2)
+    pids = engine_pids(llm)
+    result = _generate_in_thread(llm)
+    core = psutil.Process(pids[0])
+    target = core if victim == "engine_core" else next(
+        p for p in core.children() if "worker_1" in " ".join(p.cmdline()))
+    killed_at = time.monotonic()
+    target.send_signal(signal.SIGKILL)
+    result["thread"].join(timeout=5)
+    error = result.get("error")
+    assert isinstance(error, EngineDeadError), error
+    assert error.process == victim and victim in str(error) and "SIGKILL" in str(error)
+    assert result["at"] - killed_at < 1.0
+    with pytest.raises(EngineDeadError, match=victim):  # future calls fail at once
+        llm.generate("again", use_tqdm=False)
+    llm.shutdown()
+    assert not wait_gone(pids, 2.0)
+
+
+def test_worker_that_fails_to_start(tmp_path):
+    path = make_tiny_model(str(tmp_path / "m"), "llama")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["MambaForCausalLM"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker_\d failed to start: "
+                                              r"UnsupportedModelError: unsupported architecture"):
+        _llm(path, tensor_parallel_size=2)
+    assert time.monotonic() - start < 15
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not wait_gone([p.pid for p in left], 2.0)
+
+
+def _script(path: str, body: str) -> subprocess.Popen:
+    code = textwrap.dedent(f"""
+        import sys, time
+        from launch import LLM, SamplingParams
+        llm = LLM({path!r}, dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
+                  tensor_parallel_size=2)
+        import psutil
+        core = psutil.Process(llm.engine.proc.pid)
+        print(" ".join(str(p.pid) for p in [core] + core.children()), flush=True)
+    """) + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_children_exit_when_the_front_end_dies(tiny):
+    proc = _script(tiny, "time.sleep(60)\n")
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not wait_gone(pids, 2.0)
+
+
+def test_ctrl_c_stops_everything_in_order(tiny):
+    body = """
+        try:
+            llm.generate(["x"] * 8, SamplingParams(max_tokens=100000, ignore_eos=True),
+                         use_tqdm=False)
+        except KeyboardInterrupt:
+            llm.shutdown()
+            print("interrupted", flush=True)
+    """
+    proc = _script(tiny, body)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(1.0)
+    for pid in [proc.pid] + pids:  # a terminal's Ctrl-C reaches the whole process group
+        os.kill(pid, signal.SIGINT)
+    assert proc.stdout.readline().strip() == "interrupted"
+    assert proc.wait(timeout=10) == 0
+    assert not wait_gone(pids, 2.0)
+
+
+def test_malformed_frames_are_dropped_and_serving_continues(tiny):
+    with _llm(tiny) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        expected = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
+        context = zmq.Context.instance()
+        # Into the engine core's input: garbage, another protocol version, an unknown tag.
+        for frame in (b"garbage", bytes([HEADER[0], 99]) + b"\x90", HEADER + b"\x91\x7f"):
+            llm.engine.input.send(frame)
+        # Into the worker socket: a rogue peer.
+        rogue = context.socket(zmq.DEALER)
+        rogue.connect(f"ipc://{llm.engine.runtime_dir}/workers")
+        rogue.send(b"\x00\x01garbage")
+        rogue.send(Codec(Channel.WORKER_TO_CORE).encode(WorkerHello(7, 1)))  # bad rank
+        # Into the front-end's output socket.
+        pusher = context.socket(zmq.PUSH)
+        pusher.connect(f"ipc://{llm.engine.runtime_dir}/output")
+        pusher.send(b"not a frame")
+        time.sleep(0.3)
+        again = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
+        rogue.close(linger=0)
+        pusher.close(linger=0)
+    assert again == expected
+
+
+def test_process_titles(tiny):
+    with _llm(tiny, tensor_parallel_size=2) as llm:
+        names = titles(engine_pids(llm))
+    assert names[0] == "deltaserve::engine_core"
+    assert sorted(names[1:]) == ["deltaserve::worker_0", "deltaserve::worker_1"]
+
+
+def test_remote_worker_joins_over_tcp(tiny):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    worker = subprocess.Popen([sys.executable, "-m", "launch", "worker", "--connect", address,
+                               "--rank", "1"])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        with _llm(tiny, tensor_parallel_size=2, worker_address=address, local_ranks=[0]) as llm:
+            assert llm.engine.ready.world_size == 2
+            remote = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert worker.wait(timeout=10) == 0  # told to shut down with the engine
+        with _llm(tiny) as llm:
+            local = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert remote == local
+    finally:
+        worker.kill()
