@@ -8,10 +8,9 @@ import traceback
 import msgspec
 import zmq
 
-from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
-from engine_core.scheduler import Scheduler
 from engine_core.worker_group import POLL_MS, WorkerFailure, WorkerGroup
+from engine_core.journal_header import open_journal
 from launch.process import become_child, configure_logging
 from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
                       EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError,
@@ -35,8 +34,9 @@ class EngineCoreProc:
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_address)
         self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
-        self.tap = None  # set by the journal (issue 6): called with (channel, frame, step)
-        self.workers = WorkerGroup(config, self.context, runtime_dir, self._tap)
+        self.journal = open_journal(config) if config.record_path else None
+        self.workers = WorkerGroup(config, self.context, runtime_dir,
+                                   self.journal.record if self.journal else None)
         self.engine: EngineCore | None = None
 
     def run(self) -> int:
@@ -52,6 +52,8 @@ class EngineCoreProc:
             self._send(EngineFailed(f"engine_core failed: {type(e).__name__}: {e}"))
         finally:
             self.workers.shutdown()
+            if self.journal is not None:
+                self.journal.close()
             self.input.close(linger=0)
             self.output.close()
             self.context.term()
@@ -60,20 +62,13 @@ class EngineCoreProc:
     def _start(self) -> EngineCore:
         ready = self.workers.start()
         c = self.config
-        max_model_len = ready.max_model_len
-        budget = c.max_num_batched_tokens or max(8192, 0 if c.enable_chunked_prefill
-                                                 else max_model_len)
-        scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=max_model_len, policy=c.policy,
-                            long_prefill_token_threshold=c.long_prefill_token_threshold,
-                            enable_chunked_prefill=c.enable_chunked_prefill),
-            CacheConfig(c.block_size, ready.num_blocks, c.enable_prefix_caching))
-        self._send(EngineReady(max_model_len, ready.num_blocks, c.block_size,
+        engine = EngineCore.from_config(c, self.workers, ready.num_blocks, ready.max_model_len,
+                                        ready.vocab_size)
+        self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
                                c.tensor_parallel_size, ready.vocab_size))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
-                    max_model_len, ready.num_blocks, c.block_size)
-        return EngineCore(scheduler, self.workers, ready.vocab_size)
+                    ready.max_model_len, ready.num_blocks, c.block_size)
+        return engine
 
     def _loop(self) -> None:
         engine = self.engine
@@ -97,13 +92,10 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
 
-    def _tap(self, channel: Channel, frame: bytes, step: int) -> None:
-        if self.tap is not None:
-            self.tap(channel, frame, step)
-
     def _send(self, message: msgspec.Struct) -> None:
         frame = self.encoder.encode(message)
-        self._tap(Channel.CORE_TO_FRONTEND, frame, self._step())
+        if self.journal is not None:
+            self.journal.record(Channel.CORE_TO_FRONTEND, frame, self._step())
         self.output.send(frame, copy=False)
 
     def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
@@ -117,7 +109,8 @@ class EngineCoreProc:
                 frame = self.input.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            self._tap(Channel.FRONTEND_TO_CORE, frame, self._step())
+            if self.journal is not None:
+                self.journal.record(Channel.FRONTEND_TO_CORE, frame, self._step())
             try:
                 messages.append(self.decoder.decode(frame))
             except ProtocolError as e:

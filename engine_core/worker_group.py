@@ -18,8 +18,9 @@ from protocol import (Channel, Codec, EngineConfig, ModelRunnerOutput, ProtocolE
 logger = logging.getLogger("deltaserve")
 POLL_MS = 100  # liveness is checked at least this often while waiting
 
-# Called with every frame crossing the worker socket: (channel, frame, step).
-FrameTap = Callable[[Channel, bytes, int], None]
+# Called with every frame crossing the worker socket: (channel, frame, step, peer rank).
+FrameTap = Callable[[Channel, bytes, int, int], None]
+ALL_RANKS, UNKNOWN_RANK = 254, 255  # peer values of a broadcast and of an unnamed worker
 
 
 class WorkerFailure(RuntimeError):
@@ -110,16 +111,21 @@ class WorkerGroup:
     # --- steps ------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.step = scheduler_output.step
-        frame = self.encoder.encode(scheduler_output)
+        return self.execute_frame(self.encoder.encode(scheduler_output), scheduler_output.step)
+
+    def execute_frame(self, frame: bytes | bytearray, step: int) -> ModelRunnerOutput:
+        """Broadcast one encoded step (e.g. a recorded one) and wait for rank 0's answer."""
+        self.step = step
+        if self.tap is not None:
+            self.tap(Channel.CORE_TO_WORKER, frame, step, ALL_RANKS)
         for rank in range(self.world_size):
-            self._send(self.peers[rank], frame)
+            self._send(self.peers[rank], frame, tap=False)
         while True:
             message, identity = self._receive(POLL_MS)
             if isinstance(message, ModelRunnerOutput) and identity == self.peers[0]:
-                if message.step != scheduler_output.step:
+                if message.step != step:
                     raise WorkerFailure("worker_0", f"answered step {message.step} to step "
-                                                    f"{scheduler_output.step}")
+                                                    f"{step}")
                 return message
             if isinstance(message, WorkerError):
                 raise self._blame(WorkerFailure(
@@ -157,9 +163,12 @@ class WorkerGroup:
 
     # --- the one seam every worker frame passes -----------------------------------------------
 
-    def _send(self, identity: bytes, frame: bytes | bytearray) -> None:
-        if self.tap is not None:
-            self.tap(Channel.CORE_TO_WORKER, frame, self.step)
+    def _rank_of(self, identity: bytes) -> int:
+        return next((r for r, i in self.peers.items() if i == identity), UNKNOWN_RANK)
+
+    def _send(self, identity: bytes, frame: bytes | bytearray, tap: bool = True) -> None:
+        if tap and self.tap is not None:
+            self.tap(Channel.CORE_TO_WORKER, frame, self.step, self._rank_of(identity))
         try:
             self.socket.send_multipart([identity, frame], copy=False)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
@@ -180,7 +189,7 @@ class WorkerGroup:
             return None, None
         identity, frame = self.socket.recv_multipart()
         if self.tap is not None:
-            self.tap(Channel.WORKER_TO_CORE, frame, self.step)
+            self.tap(Channel.WORKER_TO_CORE, frame, self.step, self._rank_of(identity))
         try:
             return self.decoder.decode(frame), identity
         except ProtocolError as e:

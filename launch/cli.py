@@ -82,6 +82,51 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a journal into fresh workers or a scheduler")
+    p.add_argument("journal")
+    p.add_argument("--model", help="model directory (default: the recorded one)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int)
+    p.add_argument("--until-step", type=int)
+    p.add_argument("--scheduler-only", action="store_true",
+                   help="replay into a fresh scheduler; expect byte-identical step messages")
+    p.add_argument("--dump-step", type=int, help="write the worker inputs of this step")
+    p.add_argument("--out", help="directory for --dump-step")
+
+
+def _journal_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("journal", help="read journals")
+    commands = p.add_subparsers(dest="journal_command", required=True)
+    commands.add_parser("show", help="one line per step").add_argument("journal")
+    d = commands.add_parser("diff", help="the first step where two journals differ")
+    d.add_argument("a")
+    d.add_argument("b")
+    t = commands.add_parser("timeline", help="a picture of every request over steps")
+    t.add_argument("journal")
+    t.add_argument("-o", "--output", default="timeline.png")
+
+
+def replay(args: argparse.Namespace) -> int:
+    from launch import replay as replays
+    if args.dump_step is not None:
+        if not args.out:
+            raise ValueError("--dump-step needs --out DIR")
+        return replays.dump_step(args.journal, args.dump_step, args.out)
+    if args.scheduler_only:
+        return replays.replay_scheduler(args.journal)
+    return replays.replay_workers(args.journal, args.model, args.tensor_parallel_size,
+                                  args.until_step)
+
+
+def journal(args: argparse.Namespace) -> int:
+    from launch import journal_tools, timeline
+    if args.journal_command == "show":
+        return journal_tools.show(args.journal)
+    if args.journal_command == "diff":
+        return journal_tools.diff(args.a, args.b)
+    return timeline.draw(args.journal, args.output)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaserve", description="deltaserve LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,13 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     worker = sub.add_parser("worker", help="run one worker rank and join an engine")
     worker.add_argument("--connect", required=True)
     worker.add_argument("--rank", type=int, required=True)
+    _replay_parser(sub)
+    _journal_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         from worker.worker_proc import main as worker_main
         return worker_main(["--connect", args.connect, "--rank", str(args.rank)])
     from launch.errors import EngineDeadError
+    from protocol.journal import JournalError
     try:
+        if args.command == "replay":
+            return replay(args)
+        if args.command == "journal":
+            return journal(args)
         return generate(args)
+    except JournalError as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import zmq
 
 from launch.errors import EngineDeadError
 from launch.process import describe_exit, make_runtime_dir, spawn, stop_processes
-from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
+from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, EngineConfig, EngineCoreOutput,
                       EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError, SchedulerStats,
                       ShutdownEngine)
 
@@ -40,6 +40,7 @@ class EngineClient:
         self.encoder, self.decoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
         self.dead: EngineDeadError | None = None
         self.stats = SchedulerStats()
+        self.last_step = 0  # the step of the latest outputs received
         self.proc: subprocess.Popen | None = spawn("engine_core", [
             "--config", msgspec.json.encode(config).decode(),
             "--input", f"ipc://{self.runtime_dir}/input",
@@ -59,8 +60,9 @@ class EngineClient:
         raise EngineDeadError(f"the engine was not ready within "
                               f"{self.config.startup_timeout_s:.0f} s")
 
-    def add_request(self, request: AddRequest) -> None:
-        self._send(request)
+    def add_requests(self, requests: list[AddRequest]) -> None:
+        """One frame for all of them: the engine sees the whole batch before its next step."""
+        self._send(AddRequests(requests) if len(requests) != 1 else requests[0])
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
@@ -72,6 +74,7 @@ class EngineClient:
         for message in self._receive(timeout_ms):
             if isinstance(message, EngineCoreOutputs):
                 outputs += message.outputs
+                self.last_step = message.step
                 if message.stats is not None:
                     self.stats = message.stats
         return outputs

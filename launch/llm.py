@@ -61,14 +61,13 @@ class LLM:
         inputs = [self._tokenize(p) for p in prompts]
         requests = [self._resolve(text, ids, sp) for (text, ids), sp in zip(inputs, params)]
         tracker = RequestTracker(self.tokenizer, use_tqdm=use_tqdm)
-        now = time.time()
+        now, eos = time.time(), self.stop_token_ids[0] if self.stop_token_ids else None
+        batch = []
         for i, ((text, ids), sp) in enumerate(zip(inputs, requests)):
-            request_id = str(next(self._ids))
-            children = tracker.add(request_id, text, ids, sp)
-            for child_id, child_params in children:
-                self.engine.add_request(AddRequest(
-                    child_id, ids, child_params, now, priority[i] if priority else 0,
-                    self.stop_token_ids[0] if self.stop_token_ids else None))
+            for child_id, child_params in tracker.add(str(next(self._ids)), text, ids, sp):
+                batch.append(AddRequest(child_id, ids, child_params, now,
+                                        priority[i] if priority else 0, eos))
+        self.engine.add_requests(batch)
         while not tracker.done:
             aborts = tracker.process(self.engine.get_outputs(), self.engine.stats)
             self.engine.abort_requests(aborts)

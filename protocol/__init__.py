@@ -1,7 +1,8 @@
 """The contract between deltaserve's processes: wire messages and their codecs (no torch)."""
 from protocol.codec import HEADER, PROTOCOL_VERSION, Channel, Codec, ProtocolError, to_builtins
 from protocol.engine_config import EngineConfig
-from protocol.engine_messages import (AbortRequests, AddRequest, CoreToFrontend, EngineCoreOutput,
+from protocol.engine_messages import (AbortRequests, AddRequest, AddRequests, CoreToFrontend,
+                                      EngineCoreOutput,
                                       EngineCoreOutputs, EngineFailed, EngineReady, FinishReason,
                                       FrontendToCore, SchedulerStats, ShutdownEngine)
 from protocol.int_column import IntColumn
@@ -13,7 +14,7 @@ from protocol.worker_messages import (CoreToWorker, WorkerConfig, WorkerError, W
 
 __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "IntColumn",
-    "EngineConfig", "AbortRequests", "AddRequest", "CoreToFrontend", "EngineCoreOutput", "EngineCoreOutputs",
+    "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend", "EngineCoreOutput", "EngineCoreOutputs",
     "EngineFailed", "EngineReady", "FinishReason", "FrontendToCore", "SchedulerStats",
     "ShutdownEngine", "ModelRunnerOutput", "SampleLogprobs", "SamplingParams",
     "CachedRequestData", "NewRequestData", "SchedulerOutput", "TokenCounts", "to_builtins",

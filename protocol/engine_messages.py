@@ -26,6 +26,13 @@ class AddRequest(msgspec.Struct, tag=10, **_WIRE):
     eos_token_id: int | None = None
 
 
+class AddRequests(msgspec.Struct, tag=13, **_WIRE):
+    """Several requests in one frame: the engine sees all of them before its next step, so
+    an offline batch schedules the same way on every run."""
+
+    requests: list[AddRequest]
+
+
 class AbortRequests(msgspec.Struct, tag=11, **_WIRE):
     request_ids: list[str]
 
@@ -85,5 +92,5 @@ class EngineFailed(msgspec.Struct, tag=22, **_WIRE):
     process: str = "engine_core"
 
 
-FrontendToCore = AddRequest | AbortRequests | ShutdownEngine
+FrontendToCore = AddRequest | AddRequests | AbortRequests | ShutdownEngine
 CoreToFrontend = EngineCoreOutputs | EngineReady | EngineFailed

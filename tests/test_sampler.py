@@ -5,19 +5,24 @@ import numpy as np
 import pytest
 import torch
 
-from protocol import SamplingParams
-from worker.input_batch import RequestState
-from worker.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p
+from protocol import NewRequestData, SamplingParams
+from worker.input_batch import InputBatch
+from worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 
 VOCAB = 50
+CPU = torch.device("cpu")
 
 
-def _row(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=None) -> SamplingRow:
-    gen = None
-    if params.seed is not None and not params.greedy:
-        gen = torch.Generator().manual_seed(params.seed)
-    return SamplingRow(RequestState("r", params, eos, gen), np.array(prompt, np.int32),
-                       np.array(output, np.int32))
+def _batch(params: list[SamplingParams], outputs: list[list[int]] | None = None,
+           eos: int | None = None, prompt: tuple[int, ...] = (1, 2, 3)) -> tuple[InputBatch,
+                                                                               np.ndarray]:
+    """An InputBatch with one row per params, each holding `prompt` then its outputs."""
+    batch = InputBatch(max_model_len=64, block_size=16, device=CPU)
+    for i, p in enumerate(params):
+        batch.add_request(NewRequestData(i, f"r{i}", list(prompt), p, [1], 0, eos))
+        for token in (outputs[i] if outputs else []):
+            batch.append_tokens(np.array([i]), [token])
+    return batch, np.arange(len(params))
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -26,8 +31,8 @@ def _logits(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax():
     logits = _logits(4)
-    tokens, logprobs = Sampler(0, torch.device("cpu")).sample(
-        logits, [_row(SamplingParams(temperature=0.0, seed=5)) for _ in range(4)])
+    batch, rows = _batch([SamplingParams(temperature=0.0, seed=5)] * 4)
+    tokens, logprobs = Sampler(0, CPU).sample(logits, batch, rows)
     assert tokens == logits.argmax(-1).tolist() and logprobs is None
 
 
@@ -36,30 +41,24 @@ def test_seeded_requests_reproduce_across_runs_and_batches():
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
     def draw(global_seed: int, batch_size: int) -> list[int]:
-        sampler = Sampler(global_seed, torch.device("cpu"))
-        row = _row(seeded)
-        out = []
-        for _ in range(20):
-            others = [_row(SamplingParams()) for _ in range(batch_size - 1)]
-            batch = torch.cat([logits] * batch_size)
-            out.append(sampler.sample(batch, [row] + others)[0][0])
-        return out
+        sampler = Sampler(global_seed, CPU)
+        batch, rows = _batch([seeded] + [SamplingParams()] * (batch_size - 1))
+        return [sampler.sample(logits.repeat(batch_size, 1), batch, rows)[0][0]
+                for _ in range(20)]
 
     first = draw(0, 1)
     assert first == draw(99, 3) == draw(7, 5)  # independent of the engine seed and the batch
     assert len(set(first)) >= 2  # really random, not argmax
-    other = SamplingParams(temperature=1.0, seed=4321)
-    sampler = Sampler(0, torch.device("cpu"))
-    row = _row(other)
-    assert [sampler.sample(logits, [row])[0][0] for _ in range(20)] != first
+    sampler = Sampler(0, CPU)
+    batch, rows = _batch([SamplingParams(temperature=1.0, seed=4321)])
+    assert [sampler.sample(logits, batch, rows)[0][0] for _ in range(20)] != first
 
 
 def test_unseeded_sampling_is_reproducible_for_the_same_engine_seed():
     logits = _logits(8)
-    rows = [_row(SamplingParams(temperature=0.8)) for _ in range(8)]
-    a = Sampler(3, torch.device("cpu")).sample(logits, rows)[0]
-    b = Sampler(3, torch.device("cpu")).sample(logits, rows)[0]
-    assert a == b
+    batch, rows = _batch([SamplingParams(temperature=0.8)] * 8)
+    assert Sampler(3, CPU).sample(logits, batch, rows)[0] == \
+        Sampler(3, CPU).sample(logits, batch, rows)[0]
 
 
 @pytest.mark.parametrize("params", [
@@ -69,8 +68,8 @@ def test_unseeded_sampling_is_reproducible_for_the_same_engine_seed():
 def test_filters_never_sample_outside_their_set(params):
     logits = _logits(1, seed=11)[0]
     allowed = set(_allowed(logits / params.temperature, params))
-    rows = [_row(params) for _ in range(2000)]
-    tokens = Sampler(0, torch.device("cpu")).sample(logits.repeat(2000, 1), rows)[0]
+    batch, rows = _batch([params] * 2000)
+    tokens = Sampler(0, CPU).sample(logits.repeat(2000, 1), batch, rows)[0]
     assert set(tokens) <= allowed
     assert len(set(tokens)) > 1 or len(allowed) == 1  # sampling, not argmax
 
@@ -87,21 +86,19 @@ def _allowed(logits: torch.Tensor, p: SamplingParams) -> list[int]:
             break
         kept.append(token)
         mass += prob
-    full = torch.softmax(logits, -1)
     if p.min_p > 0:
         masked = torch.full_like(logits, float("-inf"))
         masked[kept] = logits[kept]
         probs = torch.softmax(masked, -1)
         kept = [t for t in kept if probs[t] >= p.min_p * probs.max()]
-    assert full.sum() > 0
     return kept
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     n = 6000
-    tokens = Sampler(0, torch.device("cpu")).sample(
-        logits.repeat(n, 1), [_row(SamplingParams(temperature=1.0)) for _ in range(n)])[0]
+    batch, rows = _batch([SamplingParams(temperature=1.0)] * n)
+    tokens = Sampler(0, CPU).sample(logits.repeat(n, 1), batch, rows)[0]
     freq = np.bincount(tokens, minlength=4)[:4] / n
     expected = torch.softmax(logits[0, :4], -1).numpy()
     assert np.abs(freq - expected).max() < 0.03
@@ -113,13 +110,17 @@ def test_penalties_match_direct_computation():
                             frequency_penalty=0.25)
     prompt, output = [1, 2, 3, 3], [3, 7, 7, 7, 9]
     got = logits.clone()
-    apply_penalties(got, _row(params, prompt, output))
+    apply_penalties(got, params, np.array(prompt), np.array(output))
     want = logits.clone()
     for t in set(prompt) | set(output):
         want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
     for t in set(output):
         want[t] -= 0.5 + 0.25 * output.count(t)
     torch.testing.assert_close(got, want)
+    batch, rows = _batch([SamplingParams(temperature=0.0, repetition_penalty=1.3,
+                                         presence_penalty=0.5, frequency_penalty=0.25)],
+                         outputs=[output], prompt=tuple(prompt))
+    assert Sampler(0, CPU).sample(logits[None], batch, rows)[0] == [int(want.argmax())]
 
 
 def test_min_tokens_suppresses_stop_tokens():
@@ -127,17 +128,17 @@ def test_min_tokens_suppresses_stop_tokens():
     logits[0, 7] = 10.0  # EOS would win
     logits[0, 8] = 9.0  # a stop token would be next
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8])
-    sampler = Sampler(0, torch.device("cpu"))
-    assert sampler.sample(logits, [_row(params, output=[5], eos=7)])[0] == [0]
-    assert sampler.sample(logits, [_row(params, output=[5, 5, 5], eos=7)])[0] == [7]
+    sampler = Sampler(0, CPU)
+    assert sampler.sample(logits, *_batch([params], [[5]], eos=7))[0] == [0]
+    assert sampler.sample(logits, *_batch([params], [[5, 5, 5]], eos=7))[0] == [7]
     ignore = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
-    assert sampler.sample(logits, [_row(ignore, output=[5], eos=7)])[0] == [7]
+    assert sampler.sample(logits, *_batch([ignore], [[5]], eos=7))[0] == [7]
 
 
 def test_logprobs_of_the_raw_distribution():
     logits = _logits(2, seed=9)
-    rows = [_row(SamplingParams(temperature=0.0, logprobs=3)), _row(SamplingParams())]
-    tokens, logprobs = Sampler(0, torch.device("cpu")).sample(logits, rows)
+    batch, rows = _batch([SamplingParams(temperature=0.0, logprobs=3), SamplingParams()])
+    tokens, logprobs = Sampler(0, CPU).sample(logits, batch, rows)
     raw = torch.log_softmax(logits[0], -1)
     entry = logprobs[0]
     assert entry.token_ids[0] == tokens[0] and entry.rank == 1
@@ -149,6 +150,7 @@ def test_logprobs_of_the_raw_distribution():
 
 def test_filter_function_keeps_the_best_token():
     logits = _logits(3, seed=4)
-    out = apply_top_k_top_p_min_p(logits, [1, 0, 3], [1.0, 0.01, 1.0], [0.0, 0.0, 0.9])
+    out = apply_top_k_top_p_min_p(logits, np.array([1, 0, 3]), np.array([1.0, 0.01, 1.0]),
+                                  np.array([0.0, 0.0, 0.9]))
     assert (out.argmax(-1) == logits.argmax(-1)).all()
     assert torch.isfinite(out).sum(-1).tolist()[:2] == [1, 1]

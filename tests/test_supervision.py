@@ -62,11 +62,13 @@ def test_sigkill_is_noticed_within_a_second(tiny, victim):
     error = result.get("error")
     assert isinstance(error, EngineDeadError), error
     assert error.process == victim and victim in str(error) and "SIGKILL" in str(error)
-    assert result["at"] - killed_at < 1.0
+    noticed = result["at"] - killed_at
+    assert noticed < 1.0, f"noticed after {noticed:.2f} s"
     with pytest.raises(EngineDeadError, match=victim):  # future calls fail at once
         llm.generate("again", use_tqdm=False)
     llm.shutdown()
-    assert not wait_gone(pids, 2.0)
+    left = wait_gone(pids, 2.0)
+    assert not left, f"still alive 2 s later: {titles(left)}"
 
 
 def test_worker_that_fails_to_start(tmp_path):

@@ -2,26 +2,17 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from protocol.int_column import IntColumn
-from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import NewRequestData, SchedulerOutput
+from worker.sampling_table import SamplingTable
 
 
 class StepProtocolError(RuntimeError):
     """A step message contradicts what this worker knows (a desync, never guessed around)."""
-
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: str
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    generator: torch.Generator | None  # per-request seed: same draws on every run and rank
 
 
 class InputBatch:
@@ -44,7 +35,8 @@ class InputBatch:
         self.block_table = np.zeros((rows, self.max_blocks), np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
         self.row_of_handle = np.full(rows, -1, np.int64)
-        self.states: list[RequestState | None] = [None] * rows
+        self.request_ids: list[str | None] = [None] * rows
+        self.sampling = SamplingTable(rows)
         self._free_rows = list(range(rows))
 
     # --- deltas -----------------------------------------------------------------------------
@@ -56,7 +48,7 @@ class InputBatch:
         for handle in so.preempted_req_ids:
             self.num_blocks[self._row(handle)] = 0
         for new in so.scheduled_new_reqs:
-            self._add(new)
+            self.add_request(new)
         cached = so.scheduled_cached_reqs
         if not len(cached.req_ids):
             return
@@ -87,7 +79,7 @@ class InputBatch:
     def _row(self, handle: int) -> int:
         return int(self.rows_of([handle])[0])
 
-    def _add(self, new: NewRequestData) -> None:
+    def add_request(self, new: NewRequestData) -> None:
         if new.req_id < len(self.row_of_handle) and self.row_of_handle[new.req_id] >= 0:
             raise StepProtocolError(f"new request handle {new.req_id} is already live")
         n = len(new.prompt_token_ids)
@@ -106,16 +98,14 @@ class InputBatch:
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
-        params = new.sampling_params
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        self.states[row] = RequestState(new.request_id, params, new.eos_token_id, generator)
+        self.request_ids[row] = new.request_id
+        self.sampling.set_row(row, new.sampling_params, new.eos_token_id, self.device)
 
     def _remove(self, handle: int) -> None:
         row = self._row(handle)
         self.row_of_handle[handle] = -1
-        self.states[row] = None
+        self.request_ids[row] = None
+        self.sampling.clear_row(row)
         heapq.heappush(self._free_rows, row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -126,14 +116,15 @@ class InputBatch:
         self.num_blocks[row] = start + len(block_ids)
 
     def _grow(self) -> None:
-        old = len(self.states)
+        old = len(self.request_ids)
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed",
                      "block_table", "num_blocks"):
             array = getattr(self, name)
             grown = np.zeros((2 * old, *array.shape[1:]), array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
-        self.states += [None] * old
+        self.request_ids += [None] * old
+        self.sampling.grow(2 * old)
         for row in range(old, 2 * old):
             heapq.heappush(self._free_rows, row)
 

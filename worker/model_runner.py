@@ -90,12 +90,14 @@ class ModelRunner:
         logprobs = None
         if len(sampled_rows):
             logits = self.model.compute_logits(hidden[step.logits_indices])
-            tokens, row_logprobs = self.sampler.sample(
-                logits, self.sampler.rows(self.input_batch, sampled_rows))
+            tokens, row_logprobs = self.sampler.sample(logits, self.input_batch, sampled_rows)
             self.input_batch.append_tokens(sampled_rows, tokens)
             positions = step.sampled.nonzero()[0].tolist()
-            for i, token in zip(positions, tokens):
-                sampled[i] = [token]
+            if len(positions) == len(sampled):  # every request sampled: the usual decode step
+                sampled = [[token] for token in tokens]
+            else:
+                for i, token in zip(positions, tokens):
+                    sampled[i] = [token]
             if row_logprobs is not None:
                 logprobs = [None] * len(step.req_ids)
                 for i, entry in zip(positions, row_logprobs):

@@ -1,0 +1,92 @@
+"""`deltaserve journal show|diff`: reading journals step by step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launch.recorded_run import Print, RecordedRun, RecordedStep, readable, unified_diff
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    step: int
+    new: int
+    cached: int
+    resumed: int
+    preempted: int
+    finished: int
+    tokens: int
+    kv_blocks: int  # distinct blocks held by live requests after this step's allocations
+    gap_ms: float  # time since the previous step was sent
+
+
+def step_rows(run: RecordedRun) -> list[StepRow]:
+    """Per-step figures, derived from the step messages alone (no scheduler code involved)."""
+    owned: dict[int, list[int]] = {}
+    rows, previous = [], None
+    for s in run.steps:
+        so = s.scheduler_output
+        for handle in so.finished_req_ids:
+            owned.pop(handle, None)
+        for handle in so.preempted_req_ids:
+            owned[handle] = []
+        for new in so.scheduled_new_reqs:
+            owned[new.req_id] = list(new.block_ids)
+        cached = so.scheduled_cached_reqs
+        for handle, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if handle in cached.resumed_req_ids:
+                owned[handle] = list(blocks)
+            elif blocks:
+                owned[handle] += blocks
+        gap = 0.0 if previous is None else (s.timestamp_ns - previous) / 1e6
+        previous = s.timestamp_ns
+        rows.append(StepRow(so.step, len(so.scheduled_new_reqs), cached.num_reqs,
+                            len(cached.resumed_req_ids), len(so.preempted_req_ids),
+                            len(so.finished_req_ids), so.total_num_scheduled_tokens,
+                            len({b for blocks in owned.values() for b in blocks}), gap))
+    return rows
+
+
+def show(path: str, out: Print = print) -> int:
+    run = RecordedRun(path)
+    config = run.header.engine_config
+    total = run.ready.num_blocks - 1 if run.ready else "?"
+    out(f"{path}: {config.model}, tensor parallel {run.header.world_size}, "
+        f"{len(run.steps)} steps, {total} usable KV blocks of {config.block_size} tokens")
+    out(f"{'step':>6} {'new':>4} {'cached':>6} {'resumed':>7} {'preempt':>7} {'finish':>6} "
+        f"{'tokens':>6} {'kv_blocks':>9} {'gap_ms':>8}")
+    for r in step_rows(run):
+        out(f"{r.step:>6} {r.new:>4} {r.cached:>6} {r.resumed:>7} {r.preempted:>7} "
+            f"{r.finished:>6} {r.tokens:>6} {r.kv_blocks:>9} {r.gap_ms:>8.2f}")
+    if run.damage is not None:
+        out(f"error: {run.damage}")
+        return 1
+    return 0
+
+
+def diff(path_a: str, path_b: str, out: Print = print) -> int:
+    """The first step where two journals differ (step messages or answers); 0 if none."""
+    a, b = RecordedRun(path_a), RecordedRun(path_b)
+    for sa, sb in zip(a.steps, b.steps):
+        if sa.frame != sb.frame:
+            out(f"step {sa.step}: the step messages differ\n"
+                + unified_diff(readable(sa.scheduler_output), readable(sb.scheduler_output),
+                               (path_a, path_b)))
+            return 1
+        if _answer(sa) != _answer(sb):
+            out(f"step {sa.step}: the model outputs differ\n"
+                + unified_diff(_answer(sa), _answer(sb), (path_a, path_b)))
+            return 1
+    if len(a.steps) != len(b.steps):
+        out(f"the journals agree for {min(len(a.steps), len(b.steps))} steps, then one ends "
+            f"({len(a.steps)} vs {len(b.steps)} steps)")
+        return 1
+    for run in (a, b):
+        if run.damage is not None:
+            out(f"error: {run.path}: {run.damage}")
+            return 1
+    out(f"no difference in {len(a.steps)} steps")
+    return 0
+
+
+def _answer(step: RecordedStep) -> str:
+    return readable(step.model_runner_output) if step.model_runner_output else "(none)"

@@ -1,0 +1,136 @@
+"""Replaying a journal: into fresh workers, into a fresh scheduler, or one step's inputs to disk."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import msgspec
+import numpy as np
+import zmq
+
+from engine_core.engine_core import EngineCore
+from engine_core.worker_group import WorkerGroup
+from launch.process import make_runtime_dir
+from launch.recorded_run import Print, RecordedRun, readable, unified_diff
+from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
+
+
+def replay_workers(path: str, model: str | None = None, tensor_parallel_size: int | None = None,
+                   until_step: int | None = None, out: Print = print) -> int:
+    """Feed the recorded steps to fresh workers and compare their answers with the recorded
+    ones. 0 when every step matches, 1 at the first divergence (printed)."""
+    run = RecordedRun(path)
+    run.require_intact()
+    config = msgspec.structs.replace(
+        run.header.engine_config, model=model or run.header.engine_config.model,
+        tensor_parallel_size=tensor_parallel_size or run.header.world_size,
+        num_gpu_blocks_override=run.ready.num_blocks, max_model_len=run.ready.max_model_len,
+        kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None)
+    steps = [s for s in run.steps if until_step is None or s.step <= until_step]
+    names = run.request_names()
+    context, runtime_dir = zmq.Context(), make_runtime_dir()
+    workers = WorkerGroup(config, context, runtime_dir)
+    try:
+        workers.start()
+        for step in steps:
+            got = workers.execute_frame(step.frame, step.step)
+            problem = _compare_outputs(step.model_runner_output, got, names)
+            if problem:
+                out(f"step {step.step} diverges:\n{problem}")
+                return 1
+        out(f"all {len(steps)} steps match ({os.path.basename(path)}, tensor parallel "
+            f"{config.tensor_parallel_size})")
+        return 0
+    finally:
+        workers.shutdown()
+        context.term()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _compare_outputs(recorded: ModelRunnerOutput | None, got: ModelRunnerOutput,
+                     names: dict[int, str]) -> str:
+    if recorded is None:
+        return "the journal has no answer for this step"
+    if list(recorded.req_ids) != list(got.req_ids):
+        return f"  requests: recorded {recorded.req_ids}, replayed {got.req_ids}"
+    lines = [f"  request {names.get(h, '?')} (handle {h}): recorded {a}, replayed {b}"
+             for h, a, b in zip(got.req_ids, recorded.sampled_token_ids, got.sampled_token_ids)
+             if a != b]
+    return "\n".join(lines)
+
+
+def replay_scheduler(path: str, out: Print = print) -> int:
+    """Feed the recorded requests and model answers into a fresh scheduler; its step messages
+    must be byte-identical to the recorded ones. 0 if so, 1 at the first difference."""
+    run = RecordedRun(path)
+    run.require_intact()
+    engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
+                                    run.ready.max_model_len, run.ready.vocab_size)
+    codec = Codec(Channel.CORE_TO_WORKER)
+    pending: SchedulerOutput | None = None
+    steps = 0
+    for record in run.records:
+        for message in run.frontend_messages(record):
+            engine.handle(message)
+        if isinstance(record.message, SchedulerOutput):
+            pending = engine.scheduler.schedule()
+            if bytes(codec.encode(pending)) != record.frame:
+                out(f"step {record.message.step}: the scheduler decides differently\n"
+                    + unified_diff(readable(record.message), readable(pending)))
+                return 1
+            steps += 1
+        elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 and pending:
+            engine.scheduler.update_from_output(pending, record.message)
+    out(f"all {steps} scheduler steps are byte-identical")
+    return 0
+
+
+def dump_step(path: str, step: int, out_dir: str, out: Print = print) -> int:
+    """Write a worker's inputs for `step` (token batch, positions, slots, block table,
+    sampling params) as .npy/.json files, rebuilt from the recorded messages alone."""
+    import torch
+
+    from worker.input_batch import InputBatch
+    from worker.step_inputs import prepare_step
+    run = RecordedRun(path)
+    run.require_intact()
+    config = run.header.engine_config
+    batch = InputBatch(run.ready.max_model_len, config.block_size, torch.device("cpu"))
+    for recorded in run.steps:
+        so = recorded.scheduler_output
+        batch.apply(so)
+        if so.total_num_scheduled_tokens == 0:
+            continue
+        inputs = prepare_step(batch, so)
+        if so.step == step:
+            _write_step(out_dir, so, inputs, batch)
+            out(f"wrote step {step} ({so.total_num_scheduled_tokens} tokens, "
+                f"{len(inputs.req_ids)} requests) to {out_dir}")
+            return 0
+        answer = recorded.model_runner_output
+        if answer is not None:  # the tokens the workers appended after this step
+            sampled = [(h, t[0]) for h, t in zip(answer.req_ids, answer.sampled_token_ids) if t]
+            if sampled:
+                handles, tokens = zip(*sampled)
+                batch.append_tokens(batch.rows_of(list(handles)), list(tokens))
+    out(f"step {step} is not in the journal (steps 1..{len(run.steps)})")
+    return 1
+
+
+def _write_step(out_dir: str, so: SchedulerOutput, inputs, batch) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    meta = inputs.metadata
+    arrays = {"input_ids": inputs.input_ids, "positions": inputs.positions,
+              "slot_mapping": meta.slot_mapping, "query_start_loc": meta.query_start_loc,
+              "seq_lens": meta.seq_lens, "block_table": meta.block_table}
+    for name, tensor in arrays.items():
+        np.save(os.path.join(out_dir, f"{name}.npy"), tensor.numpy())
+    requests = [{"handle": h, "request_id": batch.request_ids[row],
+                 "sampling_params": msgspec.to_builtins(batch.sampling.params[row])}
+                for h, row in zip(inputs.req_ids, inputs.rows.tolist())]
+    with open(os.path.join(out_dir, "requests.json"), "w") as f:
+        json.dump({"step": so.step, "requests": requests,
+                   "query_lens": meta.query_lens_cpu, "seq_lens": meta.seq_lens_cpu}, f,
+                  indent=1)
+    with open(os.path.join(out_dir, "scheduler_output.json"), "w") as f:
+        f.write(readable(so))

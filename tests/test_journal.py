@@ -1,0 +1,185 @@
+"""Recording runs, replaying them, and reading journals."""
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from launch import LLM, SamplingParams
+from launch import journal_tools, replay, timeline
+from launch.recorded_run import RecordedRun
+from model_utils import make_tiny_model
+from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
+from protocol.journal import JournalError, JournalReader, JournalRecord, JournalWriter
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",
+           "def add(a, b):\n    return", "print('hello"] * 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("journal") / "m"), "llama",
+                           tokenizer=True)
+
+
+def _record(path: str, tiny: str, stop: bool = True, tp: int = 1) -> list:
+    """A run with chunked prefill, prefix hits, preemption, and stop-string aborts (the stop
+    string is taken from the model's own greedy text, so it is sure to occur)."""
+    with LLM(tiny, dtype="float32", block_size=8, max_num_batched_tokens=16,
+             num_gpu_blocks_override=16, max_model_len=256, record_path=path,
+             tensor_parallel_size=tp) as llm:
+        greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+        if stop:
+            text = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].text
+            visible = [c for c in text[len(text) // 2:] if c.strip()]
+            greedy = msgspec.structs.replace(greedy, stop=[visible[0]])
+        seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)
+        outs = llm.generate(PROMPTS, [greedy, seeded] * (len(PROMPTS) // 2), use_tqdm=False)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rec") / "run.journal")
+    outs = _record(path, tiny)
+    return path, outs
+
+
+def test_recording_has_everything(recorded):
+    path, outs = recorded
+    run = RecordedRun(path)
+    assert run.damage is None and run.ready is not None
+    assert run.header.weights_hash and run.header.versions["torch"].startswith("2.13")
+    kinds = {(r.endpoint, r.direction) for r in run.records}
+    assert kinds == {("frontend", "in"), ("frontend", "out"), ("worker", "in"),
+                     ("worker", "out")}
+    messages = [s.scheduler_output for s in run.steps]
+    assert [m.step for m in messages] == list(range(1, len(messages) + 1))
+    assert any(m.preempted_req_ids for m in messages), "expected preemption"
+    assert any(r.num_computed_tokens for m in messages for r in m.scheduled_new_reqs)
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs), "expected a stop string"
+    assert all(s.model_runner_output is not None for s in run.steps)
+
+
+def test_worker_and_scheduler_replays_pass(recorded, capsys):
+    path, _ = recorded
+    assert replay.replay_workers(path) == 0
+    assert replay.replay_scheduler(path) == 0
+    assert replay.replay_workers(path, tensor_parallel_size=2, until_step=6) == 0
+    out = capsys.readouterr().out
+    assert "steps match" in out and "byte-identical" in out
+
+
+def _rewrite(src: str, dst: str, change) -> None:
+    """Copy a journal, letting `change(record)` return a replacement frame (or None)."""
+    reader = iter(JournalReader(src))
+    writer = JournalWriter(dst, next(reader))
+    for record in reader:
+        writer.record(record.channel, change(record) or record.frame, record.step, record.peer)
+    writer.close()
+
+
+def test_perturbed_answer_is_caught_at_its_step(recorded, tmp_path, capsys):
+    path, _ = recorded
+    codec = Codec(Channel.WORKER_TO_CORE)
+
+    def change(record: JournalRecord):
+        m = record.message
+        if isinstance(m, ModelRunnerOutput) and m.step == 7 and record.peer == 0:
+            tokens = [[t[0] + 1] if t else t for t in m.sampled_token_ids]
+            return bytes(codec.encode(msgspec.structs.replace(m, sampled_token_ids=tokens)))
+    bad = str(tmp_path / "bad.journal")
+    _rewrite(path, bad, change)
+    assert replay.replay_workers(bad) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("step 7 diverges") and "recorded [" in out and "replayed [" in out
+
+
+def test_scheduler_change_is_reported_at_the_first_differing_step(recorded, capsys,
+                                                                  monkeypatch):
+    path, _ = recorded
+    from engine_core.scheduler import Scheduler
+    original = Scheduler.schedule
+
+    def altered(self):
+        out = original(self)
+        if out.step == 5:  # a scheduler that decides differently from step 5 on
+            out.preempted_req_ids = out.preempted_req_ids + [99]
+        return out
+    monkeypatch.setattr(Scheduler, "schedule", altered)
+    assert replay.replay_scheduler(path) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("step 5: the scheduler decides differently")
+    assert "--- recorded" in out and "+++ replayed" in out and "99" in out
+
+
+def test_truncated_and_corrupted_journals(recorded, tmp_path, capsys):
+    path, _ = recorded
+    data = open(path, "rb").read()
+    cut = str(tmp_path / "cut.journal")
+    open(cut, "wb").write(data[:len(data) * 2 // 3])
+    run = RecordedRun(cut)
+    assert isinstance(run.damage, JournalError) and len(run.steps) > 3
+    assert f"byte offset {run.damage.offset}" in str(run.damage)
+    with pytest.raises(JournalError, match="truncated"):
+        replay.replay_scheduler(cut)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    bad = str(tmp_path / "flipped.journal")
+    open(bad, "wb").write(bytes(flipped))
+    with pytest.raises(JournalError, match=r"checksum mismatch .* at byte offset \d+"):
+        list(JournalReader(bad))
+    assert journal_tools.show(cut) == 1
+    assert "error:" in capsys.readouterr().out
+    with pytest.raises(JournalError, match="not a deltaserve journal"):
+        list(JournalReader(str(tmp_path / "empty")) if open(str(tmp_path / "empty"), "wb")
+             else [])
+
+
+def test_same_requests_and_seeds_give_identical_journals(recorded, tiny, tmp_path, capsys):
+    path, outs = recorded
+    again = str(tmp_path / "again.journal")
+    outs2 = _record(again, tiny)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in outs2]
+    a, b = RecordedRun(path), RecordedRun(again)
+    # Steps are identical up to the first stop-string abort, whose timing is the front-end's.
+    first_abort = next(i for i, r in enumerate(a.records) if r.channel == Channel.FRONTEND_TO_CORE
+                       and type(r.message).__name__ == "AbortRequests")
+    limit = a.records[first_abort].step
+    assert limit > 5
+    assert [s.frame for s in a.steps[:limit]] == [s.frame for s in b.steps[:limit]]
+    no_stop_a, no_stop_b = str(tmp_path / "a.journal"), str(tmp_path / "b.journal")
+    _record(no_stop_a, tiny, stop=False)
+    _record(no_stop_b, tiny, stop=False)
+    assert journal_tools.diff(no_stop_a, no_stop_b) == 0
+    assert journal_tools.diff(path, no_stop_a) == 1
+    assert "differ" in capsys.readouterr().out
+
+
+def test_show_timeline_and_dump(recorded, tmp_path, capsys):
+    path, _ = recorded
+    assert journal_tools.show(path) == 0
+    lines = capsys.readouterr().out.splitlines()
+    run = RecordedRun(path)
+    assert len(lines) == 2 + len(run.steps)
+    rows = journal_tools.step_rows(run)
+    assert max(r.kv_blocks for r in rows) <= run.ready.num_blocks - 1
+    png = str(tmp_path / "timeline.png")
+    assert timeline.draw(path, png) == 0 and os.path.getsize(png) > 10_000
+    ids, grid = timeline.request_states(run)
+    assert len(ids) == len(PROMPTS) + 1 and (grid == timeline.PREEMPTED).any()  # +1: stop probe
+    assert (grid == timeline.FINISHED).sum(axis=1).tolist() == [1] * len(ids)
+    out_dir = str(tmp_path / "dump")
+    assert replay.dump_step(path, 4, out_dir) == 0
+    so = run.steps[3].scheduler_output
+    ids_ = np.load(os.path.join(out_dir, "input_ids.npy"))
+    slots = np.load(os.path.join(out_dir, "slot_mapping.npy"))
+    assert len(ids_) == len(slots) == np.load(os.path.join(out_dir, "positions.npy")).size \
+        == so.total_num_scheduled_tokens
+    meta = json.load(open(os.path.join(out_dir, "requests.json")))
+    assert meta["step"] == 4 and sum(meta["query_lens"]) == so.total_num_scheduled_tokens
+    assert all("temperature" in r["sampling_params"] or r["sampling_params"] is not None
+               for r in meta["requests"])
