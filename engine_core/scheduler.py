@@ -10,6 +10,7 @@ from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
 from engine_core.step_plan import StepPlan
+from engine_core.stop_check import check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
@@ -238,26 +239,9 @@ class Scheduler:
         for k, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
-            if self._check_stop(request, token_id):
+            if check_stop(request, token_id, self.max_seq_len):
                 return token_ids[:k + 1]
         return token_ids
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        params = request.sampling_params
-        num_outputs = len(request.output_token_ids)
-        if num_outputs >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if (len(request.all_token_ids) >= self.max_seq_len
-                or num_outputs >= request.max_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -52,7 +52,13 @@ struct Barrier {
   int expected = 0, arrived = 0, line = 0;
   long generation = 0;
   const char* kind = "";
+  const char* file = "";
 };
+
+inline const char* base_name(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
 
 struct Thread {
   Fiber fiber;
@@ -105,14 +111,15 @@ inline void release(Barrier& b) {
 }
 
 // Arrive at `b` and sleep until every expected thread has arrived at the same source line.
-inline void arrive(Barrier& b, const char* kind, int line) {
+inline void arrive(Barrier& b, const char* kind, const char* file, int line) {
   Thread* me = W->current;
   if (b.arrived == 0) {
     b.line = line;
     b.kind = kind;
-  } else if (b.line != line || std::strcmp(b.kind, kind) != 0) {
-    fail("divergent barrier: thread %u reached %s at line %d while others wait at %s at line %d",
-         me->index, kind, line, b.kind, b.line);
+    b.file = file;
+  } else if (b.line != line || std::strcmp(b.kind, kind) != 0 || std::strcmp(b.file, file)) {
+    fail("divergent barrier: thread %u reached %s at %s:%d while others wait at %s at %s:%d",
+         me->index, kind, base_name(file), line, b.kind, base_name(b.file), b.line);
   }
   if (++b.arrived == b.expected) {
     release(b);
@@ -125,24 +132,24 @@ inline void arrive(Barrier& b, const char* kind, int line) {
 
 inline Warp& my_warp() { return W->warps[W->current->warp]; }
 
-inline void check_mask(unsigned mask, const char* kind, int line) {
+inline void check_mask(unsigned mask, const char* kind, const char* file, int line) {
   const Warp& w = my_warp();
   if ((mask & w.full) != w.full || w.live != w.full)
-    fail("%s at line %d: mask %08x but the warp's live lanes are %08x (only full warps are "
-         "supported)", kind, line, mask, w.live);
+    fail("%s at %s:%d: mask %08x but the warp's live lanes are %08x (only full warps are "
+         "supported)", kind, base_name(file), line, mask, w.live);
 }
 
 // A warp collective: publish `value`, wait for the warp, read lane `source(lane)`'s value.
 template <class T, class Source>
-T exchange(unsigned mask, T value, Source source, const char* kind, int line) {
+T exchange(unsigned mask, T value, Source source, const char* kind, const char* file, int line) {
   static_assert(sizeof(T) <= 16, "shuffle of a type wider than 16 bytes");
-  check_mask(mask, kind, line);
+  check_mask(mask, kind, file, line);
   Thread* me = W->current;
   Warp& w = my_warp();
   unsigned char (*slots)[16] = w.slots[me->parity];
   me->parity ^= 1u;  // a lane reuses this buffer only after the next collective completes
   std::memcpy(slots[me->lane], &value, sizeof(T));
-  arrive(w.barrier, kind, line);
+  arrive(w.barrier, kind, file, line);
   T result;
   std::memcpy(&result, slots[source(me->lane)], sizeof(T));
   return result;
@@ -154,21 +161,21 @@ inline thread_local uint3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 constexpr int warpSize = 32;
 
-#define KEMU_LINE int line = __builtin_LINE()
+#define KEMU_LINE const char* file = __builtin_FILE(), int line = __builtin_LINE()
 inline void __syncthreads(KEMU_LINE) {
   if (kemu::W->exited)
-    kemu::fail("__syncthreads at line %d after %d threads of the block exited", line,
-               kemu::W->exited);
-  kemu::arrive(kemu::W->block, "__syncthreads", line);
+    kemu::fail("__syncthreads at %s:%d after %d threads of the block exited",
+               kemu::base_name(file), line, kemu::W->exited);
+  kemu::arrive(kemu::W->block, "__syncthreads", file, line);
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu, KEMU_LINE) {
-  kemu::check_mask(mask, "__syncwarp", line);
-  kemu::arrive(kemu::my_warp().barrier, "__syncwarp", line);
+  kemu::check_mask(mask, "__syncwarp", file, line);
+  kemu::arrive(kemu::my_warp().barrier, "__syncwarp", file, line);
 }
 template <class T> T __shfl_sync(unsigned mask, T v, int src, int width = 32, KEMU_LINE) {
   return kemu::exchange(
       mask, v, [=](unsigned l) { return l / width * width + unsigned(src) % width; },
-      "__shfl_sync", line);
+      "__shfl_sync", file, line);
 }
 template <class T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32,
                                      KEMU_LINE) {
@@ -178,25 +185,25 @@ template <class T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int widt
         const unsigned s = l ^ unsigned(lane_mask);
         return s / width > l / width ? l : s;
       },
-      "__shfl_xor_sync", line);
+      "__shfl_xor_sync", file, line);
 }
 template <class T> T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
                                       KEMU_LINE) {
   return kemu::exchange(
       mask, v, [=](unsigned l) { return l % width + delta < unsigned(width) ? l + delta : l; },
-      "__shfl_down_sync", line);
+      "__shfl_down_sync", file, line);
 }
 template <class T> T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32,
                                     KEMU_LINE) {
   return kemu::exchange(
       mask, v, [=](unsigned l) { return l % width >= delta ? l - delta : l; }, "__shfl_up_sync",
-      line);
+      file, line);
 }
 inline unsigned __ballot_sync(unsigned mask, int predicate, KEMU_LINE) {
   unsigned bits = 0;
   for (unsigned i = 0; i < 32; i++)
     bits |= unsigned(kemu::exchange(mask, predicate ? 1 : 0, [=](unsigned) { return i; },
-                                    "__ballot_sync", line)) << i;
+                                    "__ballot_sync", file, line)) << i;
   return bits & mask;
 }
 #undef KEMU_LINE

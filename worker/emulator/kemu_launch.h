@@ -39,10 +39,11 @@ inline void yield_to_scheduler() { switch_context(W->current->fiber.context, W->
   Thread* me = W->current;
   Warp& warp = my_warp();
   if (warp.barrier.arrived > 0)
-    fail("exited while lanes of its warp wait at %s at line %d", warp.barrier.kind,
-         warp.barrier.line);
+    fail("exited while lanes of its warp wait at %s at %s:%d", warp.barrier.kind,
+         base_name(warp.barrier.file), warp.barrier.line);
   if (W->block.arrived > 0)
-    fail("exited while other threads wait at __syncthreads at line %d", W->block.line);
+    fail("exited while other threads wait at __syncthreads at %s:%d",
+         base_name(W->block.file), W->block.line);
   me->done = true;
   ++W->exited;
   warp.live &= ~(1u << me->lane);
@@ -59,7 +60,7 @@ inline void fiber_main() {
 
 // "threads 0-15 wait at __shfl_xor_sync (line 12); threads 16-127 wait at ..."
 inline std::string deadlock_report(const Worker& w) {
-  std::string out = "deadlock: no thread can run;";
+  std::string out = "deadlock: no thread can run:";
   size_t i = 0;
   while (i < w.threads.size()) {
     const Thread& t = w.threads[i];
@@ -68,9 +69,10 @@ inline std::string deadlock_report(const Worker& w) {
     while (j < w.threads.size() && !w.threads[j].done && w.threads[j].waiting == t.waiting &&
            t.waiting && w.threads[j].waiting->line == t.waiting->line)
       ++j;
-    char buf[160];
-    std::snprintf(buf, sizeof buf, " threads %zu-%zu wait at %s (line %d);", i, j - 1,
-                  t.waiting ? t.waiting->kind : "?", t.waiting ? t.waiting->line : 0);
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s threads %zu-%zu wait at %s (%s:%d)",
+                  out.back() == ':' ? "" : ";", i, j - 1, t.waiting ? t.waiting->kind : "?",
+                  t.waiting ? base_name(t.waiting->file) : "?", t.waiting ? t.waiting->line : 0);
     out += buf;
     i = j;
   }
