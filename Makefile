@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo simulate bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,13 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q
 
+DEMO_PROMPT ?= def fibonacci(n):
+
 demo: install
+	$(VENV)/bin/deltaserve generate --prompt "$(DEMO_PROMPT)" --max-tokens 80
+	$(VENV)/bin/deltaserve generate --prompt "$(DEMO_PROMPT)" --max-tokens 80 --tensor-parallel-size 2
+
+simulate: install
 	$(PY) benchmarks/simulate_scheduler.py
 
 bench: install

@@ -12,11 +12,13 @@ capped in size). The script
    reloads them with `AutoTokenizer` / `LlamaForCausalLM` and prints a greedy sample.
 
 Run from the repository root:  python scripts/train_demo_model.py
-It uses 2 CPU threads and takes about 20 minutes (tokenizer ~1 min, training ~17 min on a
-2-core Xeon with AMX/bf16). It is deterministic for a given machine, Python version (the
-corpus is that version's stdlib) and torch version: fixed seeds, sorted files, one process,
-`torch.use_deterministic_algorithms(True)`, and a fixed step count (`--minutes` is an optional
-wall-clock cap that trades that determinism for a deadline).
+It uses 2 CPU threads and takes about 20 minutes on an otherwise idle 2-core Xeon with
+AMX/bf16 (corpus + tokenizer ~20 s, 800 training steps at ~1.3 s each, ~6k tokens/s); other
+CPU-heavy processes slow it down a lot (41 min when it shared the machine). It is
+deterministic for a given machine, Python version (the corpus is that version's stdlib) and
+torch version: fixed seeds, sorted files, one process, `torch.use_deterministic_algorithms`,
+and a fixed step count (`--minutes` is an optional wall-clock cap that trades that
+determinism for a deadline).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ os.environ.setdefault("RAYON_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # noqa: E402
+                        processors, trainers)
 from tqdm import tqdm  # noqa: E402
 from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, PreTrainedTokenizerFast)
@@ -219,9 +222,9 @@ def train(model: LlamaForCausalLM, stream: torch.Tensor, s: TrainSettings) -> di
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        elapsed = time.monotonic() - start
+        tok_s = len(losses) * batch.numel() / (time.monotonic() - start)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", avg50=f"{np.mean(losses[-50:]):.3f}",
-                        lr=f"{lr_at(step, s):.1e}", tok_s=f"{len(losses) * batch.numel() / elapsed:.0f}")
+                        lr=f"{lr_at(step, s):.1e}", tok_s=f"{tok_s:.0f}")
         if time.monotonic() > deadline:
             print(f"--minutes budget reached after {step + 1} steps")
             break
