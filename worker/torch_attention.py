@@ -14,16 +14,18 @@ _DECODE_GATHER_ELEMENTS = 1 << 24
 
 @dataclass(slots=True)
 class _DecodeGroup:
-    rows: torch.Tensor  # [n] token rows (one query token per request)
-    slots: torch.Tensor  # [n, L] cache slots of positions 0..L-1; slot 0 past a request's end
-    valid: torch.Tensor  # [n, L] bool: position < seq_len
+    rows: slice | torch.Tensor  # token rows (one query token per request); a slice if contiguous
+    blocks: torch.Tensor  # [n * num_blocks] block ids, row-major; 0 (null block) past the end
+    valid: torch.Tensor  # [n, num_blocks * block_size] bool: position < seq_len
+    stale: torch.Tensor | None  # flat indices into [n * length] of partial last blocks' tails
 
 
 @dataclass(slots=True)
 class _Prefill:
     start: int
     end: int
-    slots: torch.Tensor  # [seq_len] cache slots of positions 0..seq_len-1
+    blocks: torch.Tensor  # the request's blocks, covering positions 0..seq_len-1
+    seq_len: int
     mask: torch.Tensor | None  # [query_len, seq_len] bool, None when there is no context
 
 
@@ -35,11 +37,12 @@ class _TorchPlan:
 
 
 class TorchAttentionBackend:
-    """Decode rows are batched: their KV is gathered through the block table into a padded
-    batch for one SDPA call per group. Padding positions gather slot 0 of the null block,
-    which this backend keeps zeroed, so stale or poisoned cache contents (a partial last
-    block's tail, unused blocks) never reach the softmax. Prefill chunks run one SDPA each
-    over exactly their context."""
+    """Decode rows are batched: their blocks are gathered through the block table
+    (`index_select` of whole blocks) into a padded batch for one SDPA call per group. What lies
+    past a request's end is made harmless before the softmax sees it: padding blocks are the
+    null block, which this backend keeps zeroed, and the stale tail of a partial last block is
+    zeroed in the gathered copy, so stale or poisoned cache contents never reach the result.
+    Prefill chunks run one SDPA each over exactly their context."""
 
     name = "torch"
 
@@ -52,20 +55,17 @@ class TorchAttentionBackend:
         if metadata.plan is None:
             metadata.plan = _make_plan(metadata, k_cache)
         plan: _TorchPlan = metadata.plan
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
-        v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
-        _write_kv(key, value, k_flat, v_flat, metadata.slot_mapping, plan.has_padding)
-        if plan.decodes:  # padding reads slot 0: the null block is never written otherwise
-            k_flat[0].zero_()
-            v_flat[0].zero_()
+        _write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, plan.has_padding)
+        if plan.decodes:  # padding reads the null block, which no request ever writes
+            k_cache[0].zero_()
+            v_cache[0].zero_()
         out = torch.empty_like(query)
         for group in plan.decodes:
-            out[group.rows] = _decode(query[group.rows], k_flat, v_flat, group, scale)
+            out[group.rows] = _decode(query[group.rows], k_cache, v_cache, group, scale)
         for p in plan.prefills:
             q = query[p.start:p.end].transpose(0, 1)  # [num_heads, query_len, head_dim]
-            k = k_flat[p.slots].transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
-            v = v_flat[p.slots].transpose(0, 1)
+            k = _gather(k_cache, p.blocks)[:p.seq_len].transpose(0, 1)  # [kv_heads, seq, dim]
+            v = _gather(v_cache, p.blocks)[:p.seq_len].transpose(0, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask,
                                                is_causal=p.mask is None, scale=scale,
                                                enable_gqa=True)
@@ -73,28 +73,32 @@ class TorchAttentionBackend:
         return out
 
 
-def _write_kv(key: torch.Tensor, value: torch.Tensor, k_flat: torch.Tensor,
-              v_flat: torch.Tensor, slots: torch.Tensor, has_padding: bool) -> None:
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[len(blocks) * block_size, kv_heads, dim]: the blocks' tokens, in order."""
+    return cache.index_select(0, blocks).flatten(0, 1)
+
+
+def _write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slots: torch.Tensor, has_padding: bool) -> None:
     if has_padding:
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+    k_cache.flatten(0, 1).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, group: _DecodeGroup,
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
             scale: float) -> torch.Tensor:
-    k = k_flat[group.slots].transpose(1, 2)  # [n, kv_heads, L, dim]
-    v = v_flat[group.slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v,
+    n, length = group.valid.shape
+    k = _gather(k_cache, group.blocks).view(n, length, *k_cache.shape[2:])
+    v = _gather(v_cache, group.blocks).view(n, length, *v_cache.shape[2:])
+    if group.stale is not None:
+        k.view(n * length, -1).index_fill_(0, group.stale, 0.0)
+        v.view(n * length, -1).index_fill_(0, group.stale, 0.0)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=group.valid[:, None, None, :], scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)  # [n, num_heads, dim]
-
-
-def _slots_of(block_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(length, device=block_row.device)
-    return block_row[pos // block_size].long() * block_size + pos % block_size
 
 
 def _make_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _TorchPlan:
@@ -106,18 +110,16 @@ def _make_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _TorchPlan
                                                  metadata.seq_lens_cpu)):
         if query_len == 1:
             decode_reqs.append(i)
-            continue
-        if query_len == 0:
-            continue
-        context = seq_len - query_len
-        mask = None
-        if context:
-            key_pos = torch.arange(seq_len, device=k_cache.device)
-            q_pos = context + torch.arange(query_len, device=k_cache.device)
-            mask = key_pos[None, :] <= q_pos[:, None]
-        plan.prefills.append(_Prefill(starts[i], starts[i] + query_len,
-                                      _slots_of(metadata.block_table[i], seq_len, block_size),
-                                      mask))
+        elif query_len > 1:
+            context = seq_len - query_len
+            mask = None
+            if context:
+                key_pos = torch.arange(seq_len, device=k_cache.device)
+                q_pos = context + torch.arange(query_len, device=k_cache.device)
+                mask = key_pos[None, :] <= q_pos[:, None]
+            blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
+            plan.prefills.append(_Prefill(starts[i], starts[i] + query_len, blocks, seq_len,
+                                          mask))
     if decode_reqs:
         plan.decodes = _decode_groups(metadata, decode_reqs, starts, k_cache)
     return plan
@@ -126,18 +128,30 @@ def _make_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _TorchPlan
 def _decode_groups(metadata: AttentionMetadata, reqs: list[int], starts: list[int],
                    k_cache: torch.Tensor) -> list[_DecodeGroup]:
     block_size, per_token = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
-    longest = max(metadata.seq_lens_cpu[i] for i in reqs)
-    group_size = max(1, _DECODE_GATHER_ELEMENTS // (longest * per_token))
+    num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
+    length = num_blocks * block_size
+    group_size = max(1, _DECODE_GATHER_ELEMENTS // (length * per_token))
     device = k_cache.device
-    pos = torch.arange(longest, device=device)
+    pos = torch.arange(length, device=device)
     groups = []
     for g in range(0, len(reqs), group_size):
-        idx = torch.tensor(reqs[g:g + group_size], device=device)
-        table = metadata.block_table[idx][:, pos // block_size].long()
-        seq = metadata.seq_lens[idx].to(device)
+        members = reqs[g:g + group_size]
+        idx = torch.tensor(members, device=device)
+        seq = metadata.seq_lens[idx].to(device).long()
+        table = metadata.block_table[idx, :num_blocks].long()
         valid = pos[None, :] < seq[:, None]
+        # Stale slots: past seq_len but inside a request's own (last) block.
+        stale = ~valid & (pos[None, :] < (-(-seq // block_size) * block_size)[:, None])
         groups.append(_DecodeGroup(
-            rows=torch.tensor([starts[i] for i in reqs[g:g + group_size]], device=device),
-            slots=(table * block_size + pos % block_size).masked_fill_(~valid, 0),
-            valid=valid))
+            rows=_rows([starts[i] for i in members], device),
+            blocks=table.masked_fill(~valid.view(len(members), num_blocks, block_size)
+                                     .any(-1), 0).flatten(),
+            valid=valid, stale=stale.flatten().nonzero().flatten() if bool(stale.any()) else None))
     return groups
+
+
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Token rows as a slice when contiguous (the usual all-decode step): no gather/scatter."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
