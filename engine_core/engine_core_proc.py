@@ -65,7 +65,8 @@ class EngineCoreProc:
         engine = EngineCore.from_config(c, self.workers, ready.num_blocks, ready.max_model_len,
                                         ready.vocab_size)
         self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
-                               c.tensor_parallel_size, ready.vocab_size))
+                               c.tensor_parallel_size, ready.vocab_size,
+                               ready.attention_backend))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
                     ready.max_model_len, ready.num_blocks, c.block_size)
         return engine

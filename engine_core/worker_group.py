@@ -36,6 +36,7 @@ class WorkersReady:
     num_blocks: int  # the minimum over ranks
     max_model_len: int
     vocab_size: int
+    attention_backend: str
 
 
 class WorkerGroup:
@@ -96,7 +97,8 @@ class WorkerGroup:
             for r, m in sorted(ready.items())))
         return WorkersReady(min(m.num_blocks for m in ready.values()),
                             min(m.max_model_len for m in ready.values()),
-                            min(m.vocab_size for m in ready.values()))
+                            min(m.vocab_size for m in ready.values()),
+                            ready[0].attention_backend)
 
     def _greet(self, hello: WorkerHello, identity: bytes, init: WorkerInit) -> None:
         if not 0 <= hello.rank < self.world_size or hello.rank in self.peers:

@@ -83,6 +83,7 @@ class EngineReady(msgspec.Struct, tag=21, **_WIRE):
     block_size: int
     world_size: int = 1
     vocab_size: int = 0
+    attention_backend: str = ""  # what the workers run ("torch", "cupy", "emulated")
 
 
 class EngineFailed(msgspec.Struct, tag=22, **_WIRE):

@@ -33,6 +33,18 @@ class AttentionCase:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.query.shape[-1])
 
+    def to(self, device: torch.device | str) -> AttentionCase:
+        """The same case with every tensor on `device` (host lists and the reference's
+        context K/V stay where they are)."""
+        m = self.metadata
+        metadata = AttentionMetadata(
+            m.slot_mapping.to(device), m.query_start_loc.to(device), m.seq_lens.to(device),
+            m.block_table.to(device), m.max_query_len, m.max_seq_len, m.query_lens_cpu,
+            m.seq_lens_cpu)
+        return AttentionCase(self.query.to(device), self.key.to(device), self.value.to(device),
+                             self.k_cache.to(device), self.v_cache.to(device), metadata,
+                             self.specs, self.context_k, self.context_v, self.num_padding)
+
 
 def make_case(specs: list[tuple[int, int]], num_heads: int = 4, num_kv_heads: int = 2,
               head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,

@@ -49,6 +49,7 @@ class Library:
             ctypes.c_ulonglong, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
             ctypes.c_char_p, ctypes.c_int]
         self._lib.kemu_kernel_name.restype = ctypes.c_char_p
+        self.kernel_set = frozenset(self.kernels)
         self.workers = default_workers()
 
     @property
@@ -90,15 +91,20 @@ def _c_argument(arg: object) -> tuple[str, ctypes._SimpleCData]:
                     f"fixed width; got {type(arg).__name__}")
 
 
-_loaded: dict[Path, Library] = {}
+_loaded: dict[tuple, list[Library]] = {}  # (sources, defines) -> libraries loaded
 _lock = threading.Lock()
 
 
 def load_library(sources: Sequence[Path], kernels: Sequence[str], *, tag: str = "kernels",
                  defines: Sequence[str] = ()) -> Library:
-    """Build (or find cached) and load a library once per process."""
-    path = build_library(sources, kernels, tag=tag, defines=defines)
+    """A library with (at least) `kernels`: one already loaded in this process from the same
+    sources, e.g. one a test suite built for many configs at once, or else a new build (or
+    the disk cache's)."""
+    key = (tuple(str(Path(s).resolve()) for s in sources), tuple(defines))
     with _lock:
-        if path not in _loaded:
-            _loaded[path] = Library(path)
-        return _loaded[path]
+        for library in _loaded.get(key, []):
+            if set(kernels) <= library.kernel_set:
+                return library
+        library = Library(build_library(sources, kernels, tag=tag, defines=defines))
+        _loaded.setdefault(key, []).append(library)
+        return library

@@ -21,7 +21,8 @@
 //   2. Scores: thread (t = tid % TILE, r0 = tid / TILE) scores key t against rows r0,
 //      r0 + NT / TILE, ..., reusing each K chunk across rows; q is broadcast from smem.
 //   3. Online softmax, fp32 in the log2 domain: TPR = NT / ROWS threads own one row.
-//   4. P.V: a thread owns (row, 16-byte dim chunk) pairs and loops over the valid keys only.
+//   4. P.V: a thread owns (row, 16-byte dim chunk) pairs and loops over the valid keys only;
+//      with fewer pairs than threads, the tile's keys are cut into slices summed at the end.
 // Output: without split, out = acc / l in T. With split, the unnormalized fp32 acc and (m, l)
 //   go to part_acc/part_ml at slot ((x * gridDim.y + y) * gridDim.z + z) * ROWS + r, and
 //   attention_reduce merges the splits of each row.
@@ -32,10 +33,18 @@
 namespace ds {
 
 // Keys per tile: a K tile of about 16 KiB; halved for the many-row (prefill) variant.
-constexpr int attention_tile(int row_bytes, int rows) {
+__host__ __device__ constexpr int attention_tile(int row_bytes, int rows) {
   const int fit = 16384 / row_bytes;
   const int tile = fit >= 64 ? 64 : fit >= 32 ? 32 : 16;
   return rows > 8 && tile > 16 ? tile / 2 : tile;
+}
+
+// Blocks per SM that ptxas must fit in registers: decode 4 (<= 128 registers: occupancy
+// hides load latency), or 3 for rows over 512 bytes (fp32 d256: more in flight per thread);
+// prefill 2 (<= 255: its many rows need the registers). Without a minimum, newer ptxas
+// trades registers for occupancy by spilling.
+__host__ __device__ constexpr int attention_min_blocks(int rows, int row_bytes) {
+  return rows > 8 ? 2 : row_bytes > 512 ? 3 : 4;
 }
 
 // Shared-memory layout and thread-mapping constants (mirrored in worker/cuda_kernels.py).
@@ -61,6 +70,7 @@ template <typename T, int HEAD_DIM, int ROWS> struct AttentionLayout {
   static_assert(HEAD_DIM % VEC == 0, "HEAD_DIM must fill whole 16-byte vectors");
   static_assert(NT % TILE == 0 && (ROWS * TILE) % NT == 0, "score mapping");
   static_assert(NT % ROWS == 0 && TPR <= 32 && TILE % TPR == 0, "softmax mapping");
+  static_assert(TILE * KV_STRIDE * sizeof(T) >= NT * VEC * 4, "k_s holds the P.V slices");
 };
 
 // One CTA's share of a request: query tokens [q_first, q_first + q_count).
@@ -105,6 +115,7 @@ __device__ __forceinline__ HeadGroup cta_heads(int num_heads, int num_kv_heads,
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCta {
   using L = AttentionLayout<T, HEAD_DIM, ROWS>;
   static constexpr int NT = L::NT, VEC = L::VEC, CHUNKS = L::CHUNKS, TILE = L::TILE;
+  using Acc = float[L::PAIRS][VEC];  // a thread's P.V accumulators, one row per (row, chunk)
 
   float* q_s;
   T* k_s;
@@ -118,6 +129,10 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
   HeadGroup heads;
   int heads_per_cta;
   int rows;  // active rows: q_count * heads_per_cta <= ROWS
+  // P.V mapping: the `span` = rows * CHUNKS active (row, chunk) pairs. With span >= NT a
+  // thread owns pairs tid, tid + NT, ...; with fewer, the keys are cut into `slices`
+  // (NT / span) so that every thread works, and the slices are summed at the end.
+  int span, slices, slice, pair0;
 
   __device__ AttentionCta(unsigned char* smem, const WorkItem& w, const HeadGroup& h, int hpc)
       : q_s(reinterpret_cast<float*>(smem + L::Q_OFF)),
@@ -128,7 +143,18 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
         m_s(reinterpret_cast<float*>(smem + L::STAT_OFF) + ROWS),
         l_s(reinterpret_cast<float*>(smem + L::STAT_OFF) + 2 * ROWS),
         bt_s(reinterpret_cast<int*>(smem + L::BT_OFF)),
-        item(w), heads(h), heads_per_cta(hpc), rows(w.q_count * hpc) {}
+        item(w), heads(h), heads_per_cta(hpc), rows(w.q_count * hpc) {
+    span = rows * CHUNKS;
+    slices = span >= NT ? 1 : NT / span;
+    slice = span >= NT ? 0 : threadIdx.x / span;
+    pair0 = span >= NT ? threadIdx.x : threadIdx.x % span;
+  }
+
+  // The k-th (row, chunk) pair of this thread, or -1.
+  __device__ int pair(int k) const {
+    const int p = pair0 + k * NT;
+    return slice < slices && p < span ? p : -1;
+  }
 
   __device__ long long out_row(int r, int num_heads) const {
     return (long long)(item.token0 + r / heads_per_cta) * num_heads + heads.head0 +
@@ -146,7 +172,8 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
         Pack<T>::unpack(load16(query + token * query_stride + head * HEAD_DIM + c * VEC), f);
       }
 #pragma unroll
-      for (int e = 0; e < VEC; e++) q_s[r * HEAD_DIM + c * VEC + e] = r < rows ? f[e] * scale_log2 : 0.f;
+      for (int e = 0; e < VEC; e++)
+        q_s[r * HEAD_DIM + c * VEC + e] = r < rows ? f[e] * scale_log2 : 0.f;
     }
   }
 
@@ -186,6 +213,7 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
   }
 
   // p_s[r][t] = q_r . k_t (log2 units) where row r may see key tile_start + t, else -inf.
+  // Rows past `rows` are skipped (r0 is warp-uniform for TILE >= 32).
   __device__ void tile_scores(int tile_start, int n) {
     const int t = threadIdx.x % TILE, r0 = threadIdx.x / TILE;
     constexpr int RSTEP = NT / TILE;
@@ -198,6 +226,7 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
       Pack<T>::unpack(*reinterpret_cast<const uint4*>(k_s + t * L::KV_STRIDE + c * VEC), k);
 #pragma unroll
       for (int j = 0; j < L::SCORES; j++) {
+        if (r0 + j * RSTEP >= rows) continue;
         const float* q = q_s + (r0 + j * RSTEP) * HEAD_DIM + c * VEC;
 #pragma unroll
         for (int e = 0; e < VEC; e++) s[j] += q[e] * k[e];
@@ -244,37 +273,54 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
     if (part == 0) alpha_s[r] = alpha;
   }
 
-  // acc[pair] = acc[pair] * alpha[row] + sum over the n valid keys of p[row][t] * v[t][chunk].
-  __device__ void tile_pv(float (&acc)[L::PAIRS][VEC], int n) {
+  // acc = acc * alpha[row] + sum of p[row][t] * v[t][chunk] over this slice's valid keys
+  // (t < n only: rows past n were never loaded).
+  __device__ void tile_pv(Acc& acc, int n) {
 #pragma unroll
     for (int k = 0; k < L::PAIRS; k++) {
-      const int pair = threadIdx.x + k * NT, r = pair / CHUNKS, c = pair % CHUNKS;
-      if (pair >= ROWS * CHUNKS || r >= rows) continue;
+      const int p = pair(k), r = p / CHUNKS, c = p % CHUNKS;
+      if (p < 0) continue;
       const float alpha = alpha_s[r];
       float a[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; e++) a[e] = acc[k][e] * alpha;
-      for (int t = 0; t < n; t++) {
-        const float p = p_s[r * L::P_STRIDE + t];
+      for (int t = slice; t < n; t += slices) {
+        const float w = p_s[r * L::P_STRIDE + t];
         float v[VEC];
         Pack<T>::unpack(*reinterpret_cast<const uint4*>(v_s + t * L::KV_STRIDE + c * VEC), v);
 #pragma unroll
-        for (int e = 0; e < VEC; e++) a[e] += p * v[e];
+        for (int e = 0; e < VEC; e++) a[e] += w * v[e];
       }
 #pragma unroll
       for (int e = 0; e < VEC; e++) acc[k][e] = a[e];
     }
   }
 
+  // With several key slices, every slice's acc -> k_s (free after the tile loop); called
+  // before the final barrier, `gather_slices` after it.
+  __device__ void stash_slices(const Acc& acc) {
+    if (slices == 1 || pair(0) < 0) return;
+    float* dst = reinterpret_cast<float*>(k_s) + (slice * span + pair(0)) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; e++) dst[e] = acc[0][e];
+  }
+  __device__ void gather_slices(Acc& acc) const {
+    if (slices == 1 || slice != 0 || pair(0) < 0) return;
+    const float* src = reinterpret_cast<const float*>(k_s);
+    for (int s = 1; s < slices; s++)
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[0][e] += src[(s * span + pair(0)) * VEC + e];
+  }
+
   // Final rows: normalized into `out`, or unnormalized with (m, l) into the split partials.
-  __device__ void store(const float (&acc)[L::PAIRS][VEC], T* out, float* part_acc,
-                        float* part_ml, int num_heads) {
+  __device__ void store(const Acc& acc, T* out, float* part_acc, float* part_ml,
+                        int num_heads) {
     const long long slot0 =
         ((long long)(blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * ROWS;
 #pragma unroll
     for (int k = 0; k < L::PAIRS; k++) {
-      const int pair = threadIdx.x + k * NT, r = pair / CHUNKS, c = pair % CHUNKS;
-      if (pair >= ROWS * CHUNKS || r >= rows) continue;
+      const int p = slice == 0 ? pair(k) : -1, r = p / CHUNKS, c = p % CHUNKS;
+      if (p < 0) continue;
       if (part_acc == nullptr) {
         const float inv = __fdividef(1.f, l_s[r]);  // l >= 1: the unsplit range holds key 0
         float o[VEC];
@@ -284,8 +330,7 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
       } else {
         float* dst = part_acc + (slot0 + r) * HEAD_DIM + c * VEC;
 #pragma unroll
-        for (int e = 0; e < VEC; e += 4)
-          store16(dst + e, Pack<float>::pack(&acc[k][e]));
+        for (int e = 0; e < VEC; e += 4) store16(dst + e, Pack<float>::pack(&acc[k][e]));
         if (c == 0) {
           part_ml[2 * (slot0 + r)] = m_s[r];
           part_ml[2 * (slot0 + r) + 1] = l_s[r];
@@ -298,7 +343,9 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
 }  // namespace ds
 
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS>
-__global__ void __launch_bounds__(ds::NUM_THREADS) paged_attention(
+__global__ void __launch_bounds__(ds::NUM_THREADS,
+                                  ds::attention_min_blocks(ROWS, HEAD_DIM * sizeof(T)))
+    paged_attention(
     T* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
     const T* __restrict__ query, long long query_stride, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_table, int block_table_stride,
@@ -345,7 +392,9 @@ __global__ void __launch_bounds__(ds::NUM_THREADS) paged_attention(
     cta.m_s[threadIdx.x / L::TPR] = m;
     cta.l_s[threadIdx.x / L::TPR] = l;
   }
+  cta.stash_slices(acc);
   __syncthreads();
+  cta.gather_slices(acc);
   cta.store(acc, out, part_acc, part_ml, num_heads);
 }
 
