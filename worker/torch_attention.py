@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,33 +103,31 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
 
 
 def _make_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _TorchPlan:
-    block_size = k_cache.shape[1]
+    block_size, device = k_cache.shape[1], k_cache.device
     plan = _TorchPlan(has_padding=bool((metadata.slot_mapping < 0).any()))
-    starts = metadata.query_start_loc.tolist()
-    decode_reqs = []
-    for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
-                                                 metadata.seq_lens_cpu)):
-        if query_len == 1:
-            decode_reqs.append(i)
-        elif query_len > 1:
-            context = seq_len - query_len
-            mask = None
-            if context:
-                key_pos = torch.arange(seq_len, device=k_cache.device)
-                q_pos = context + torch.arange(query_len, device=k_cache.device)
-                mask = key_pos[None, :] <= q_pos[:, None]
-            blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
-            plan.prefills.append(_Prefill(starts[i], starts[i] + query_len, blocks, seq_len,
-                                          mask))
-    if decode_reqs:
-        plan.decodes = _decode_groups(metadata, decode_reqs, starts, k_cache)
+    query_lens = np.asarray(metadata.query_lens_cpu)
+    starts = np.concatenate(([0], np.cumsum(query_lens)))
+    for i in np.flatnonzero(query_lens > 1).tolist():
+        query_len, seq_len = int(query_lens[i]), metadata.seq_lens_cpu[i]
+        context = seq_len - query_len
+        mask = None
+        if context:
+            key_pos = torch.arange(seq_len, device=device)
+            mask = key_pos[None, :] <= (context + torch.arange(query_len, device=device))[:, None]
+        blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
+        plan.prefills.append(_Prefill(int(starts[i]), int(starts[i]) + query_len, blocks,
+                                      seq_len, mask))
+    decodes = np.flatnonzero(query_lens == 1)
+    if len(decodes):
+        plan.decodes = _decode_groups(metadata, decodes, starts, k_cache)
     return plan
 
 
-def _decode_groups(metadata: AttentionMetadata, reqs: list[int], starts: list[int],
+def _decode_groups(metadata: AttentionMetadata, reqs: np.ndarray, starts: np.ndarray,
                    k_cache: torch.Tensor) -> list[_DecodeGroup]:
     block_size, per_token = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
-    num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
+    seq_lens = np.asarray(metadata.seq_lens_cpu)[reqs]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
     length = num_blocks * block_size
     group_size = max(1, _DECODE_GATHER_ELEMENTS // (length * per_token))
     device = k_cache.device
@@ -136,22 +135,21 @@ def _decode_groups(metadata: AttentionMetadata, reqs: list[int], starts: list[in
     groups = []
     for g in range(0, len(reqs), group_size):
         members = reqs[g:g + group_size]
-        idx = torch.tensor(members, device=device)
-        seq = metadata.seq_lens[idx].to(device).long()
-        table = metadata.block_table[idx, :num_blocks].long()
+        seq = torch.from_numpy(seq_lens[g:g + group_size]).to(device)
+        table = metadata.block_table[torch.from_numpy(members).to(device), :num_blocks].long()
         valid = pos[None, :] < seq[:, None]
         # Stale slots: past seq_len but inside a request's own (last) block.
         stale = ~valid & (pos[None, :] < (-(-seq // block_size) * block_size)[:, None])
         groups.append(_DecodeGroup(
-            rows=_rows([starts[i] for i in members], device),
+            rows=_rows(starts[members], device),
             blocks=table.masked_fill(~valid.view(len(members), num_blocks, block_size)
                                      .any(-1), 0).flatten(),
             valid=valid, stale=stale.flatten().nonzero().flatten() if bool(stale.any()) else None))
     return groups
 
 
-def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
     """Token rows as a slice when contiguous (the usual all-decode step): no gather/scatter."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, device=device)
+    if rows[-1] - rows[0] == len(rows) - 1:  # increasing, so contiguous
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.from_numpy(rows).to(device)
