@@ -58,6 +58,8 @@ class LLM:
         validated before anything is scheduled, so a bad one raises ValueError alone."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self._tokenize(p) for p in prompts]
         requests = [self._resolve(text, ids, sp) for (text, ids), sp in zip(inputs, params)]
         tracker = RequestTracker(self.tokenizer, use_tqdm=use_tqdm)
@@ -68,9 +70,12 @@ class LLM:
                 batch.append(AddRequest(child_id, ids, child_params, now,
                                         priority[i] if priority else 0, eos))
         self.engine.add_requests(batch)
-        while not tracker.done:
-            aborts = tracker.process(self.engine.get_outputs(), self.engine.stats)
-            self.engine.abort_requests(aborts)
+        try:
+            while not tracker.done:
+                self.engine.abort_requests(tracker.process(self.engine.get_outputs()))
+        except KeyboardInterrupt:  # leave the engine clean for the caller's next call
+            self.engine.abort_requests(tracker.unfinished_ids())
+            raise
         return tracker.results()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

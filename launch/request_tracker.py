@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from launch.detokenizer import IncrementalDetokenizer, find_stop_string
 from launch.outputs import CompletionOutput, Logprob, RequestOutput
-from protocol import EngineCoreOutput, SampleLogprobs, SamplingParams, SchedulerStats
+from protocol import EngineCoreOutput, SampleLogprobs, SamplingParams
 
 logger = logging.getLogger("deltaserve")
 
@@ -68,7 +68,10 @@ class RequestTracker:
     def done(self) -> bool:
         return self.unfinished == 0
 
-    def process(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> list[str]:
+    def unfinished_ids(self) -> list[str]:
+        return list(self.sequence_of)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
         aborts = []
         for out in outputs:
             if out.request_id not in self.sequence_of:

@@ -26,8 +26,45 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// Packs: VEC elements of T in one 16-byte vector, converted to/from fp32.
-template <typename T> struct Pack;
+// Two lanes of a 16-bit float type, converted to/from fp32.
+template <typename T> struct Lanes2;
+template <> struct Lanes2<__half> {
+  using type = __half2;
+  __device__ __forceinline__ static float2 to_float2(type h) { return __half22float2(h); }
+  __device__ __forceinline__ static type from_floats(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
+};
+template <> struct Lanes2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ __forceinline__ static float2 to_float2(type h) { return __bfloat1622float2(h); }
+  __device__ __forceinline__ static type from_floats(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
+  }
+};
+
+// Packs: VEC elements of T in one 16-byte vector, converted to/from fp32. The 16-bit types
+// (half, bfloat16) hold 8 and convert two lanes at a time.
+template <typename T> struct Pack {
+  static constexpr int VEC = 8;
+  using L2 = Lanes2<T>;
+  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
+    const typename L2::type* h = reinterpret_cast<const typename L2::type*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 x = L2::to_float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+  __device__ __forceinline__ static uint4 pack(const float* f) {
+    uint4 u;
+    typename L2::type* h = reinterpret_cast<typename L2::type*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = L2::from_floats(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
+};
 
 template <> struct Pack<float> {
   static constexpr int VEC = 4;
@@ -43,46 +80,6 @@ template <> struct Pack<float> {
     u.y = __float_as_uint(f[1]);
     u.z = __float_as_uint(f[2]);
     u.w = __float_as_uint(f[3]);
-    return u;
-  }
-};
-
-template <> struct Pack<__half> {
-  static constexpr int VEC = 8;
-  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-  __device__ __forceinline__ static uint4 pack(const float* f) {
-    uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    return u;
-  }
-};
-
-template <> struct Pack<__nv_bfloat16> {
-  static constexpr int VEC = 8;
-  __device__ __forceinline__ static void unpack(const uint4& u, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 x = __bfloat1622float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-  __device__ __forceinline__ static uint4 pack(const float* f) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
     return u;
   }
 };
