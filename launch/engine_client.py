@@ -20,8 +20,8 @@ POLL_MS = 100  # the engine core's liveness is checked at least this often while
 
 
 class EngineClient:
-    """Binds two ipc sockets in a fresh private runtime directory (PUSH requests, PULL outputs),
-    starts `python -m engine_core`, and waits for `EngineReady`.
+    """Binds two ipc sockets in a fresh private runtime directory (PUSH requests, PULL outputs)
+    and starts `python -m engine_core`; `wait_ready()` waits for its `EngineReady`.
 
     Once the engine is dead (it reported a failure, or its process exited), every call raises
     `EngineDeadError` naming the process that died.
@@ -45,20 +45,23 @@ class EngineClient:
             "--config", msgspec.json.encode(config).decode(),
             "--input", f"ipc://{self.runtime_dir}/input",
             "--output", f"ipc://{self.runtime_dir}/output", "--runtime-dir", self.runtime_dir])
+        self.ready: EngineReady | None = None
+
+    def wait_ready(self) -> EngineReady:
+        """Block until the engine reports ready; on failure, stop everything and raise."""
         try:
-            self.ready = self._wait_ready()
+            deadline = time.monotonic() + self.config.startup_timeout_s + 30
+            while self.ready is None:
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"the engine was not ready within "
+                                          f"{self.config.startup_timeout_s:.0f} s")
+                for message in self._receive(POLL_MS):
+                    if isinstance(message, EngineReady):
+                        self.ready = message
+            return self.ready
         except BaseException:
             self.shutdown()
             raise
-
-    def _wait_ready(self) -> EngineReady:
-        deadline = time.monotonic() + self.config.startup_timeout_s + 30
-        while time.monotonic() < deadline:
-            for message in self._receive(POLL_MS):
-                if isinstance(message, EngineReady):
-                    return message
-        raise EngineDeadError(f"the engine was not ready within "
-                              f"{self.config.startup_timeout_s:.0f} s")
 
     def add_requests(self, requests: list[AddRequest]) -> None:
         """One frame for all of them: the engine sees the whole batch before its next step."""

@@ -41,10 +41,14 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed, **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model)
-        self.stop_token_ids = stop_token_ids_of(self.config.model, self.tokenizer)
-        self.engine = EngineClient(self.config)
-        self.max_model_len = self.engine.ready.max_model_len
+        self.engine = EngineClient(self.config)  # the processes start while we load the tokenizer
+        try:
+            self.tokenizer = load_tokenizer(self.config.model)
+            self.stop_token_ids = stop_token_ids_of(self.config.model, self.tokenizer)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.max_model_len = self.engine.wait_ready().max_model_len
         self._ids = itertools.count()
         # Stop the engine even if the caller forgets to: at exit, or when collected.
         self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)

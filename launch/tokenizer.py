@@ -6,13 +6,42 @@ import os
 from typing import Any
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Tokenizer classes that are exactly `tokenizer.json` run by the `tokenizers` library.
+_GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+class JsonTokenizer:
+    """A generic `tokenizer.json` through the `tokenizers` library, as Hugging Face's
+    `PreTrainedTokenizerFast` runs it, without importing transformers (and torch): the
+    front-end then starts in a fraction of the time."""
+
+    def __init__(self, model_dir: str, config: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer
+        self._tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
 
 def load_tokenizer(model_dir: str) -> Any | None:
-    """`AutoTokenizer` for the directory, or None when it ships no tokenizer (token-id
-    prompts still work then)."""
+    """The directory's tokenizer (`AutoTokenizer`, or `JsonTokenizer` when that is all it
+    is), or None when it ships none (token-id prompts still work then)."""
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
+    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    if (os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+            and config.get("tokenizer_class") in _GENERIC_CLASSES
+            and not config.get("clean_up_tokenization_spaces")):
+        return JsonTokenizer(model_dir, config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
@@ -25,11 +54,15 @@ def stop_token_ids_of(model_dir: str, tokenizer: Any | None) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            for token in eos if isinstance(eos, list) else [eos]:
-                if isinstance(token, int) and token not in ids:
-                    ids.append(token)
+        eos = _read_json(os.path.join(model_dir, name)).get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
     return ids
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
