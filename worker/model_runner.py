@@ -44,10 +44,11 @@ class ModelRunner:
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len)
-        self.num_blocks = self._num_blocks()
         attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
+        self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.num_blocks, self.model_config.num_hidden_layers,
-                                           self.block_size, attn.num_kv_heads, attn.head_dim,
+                                           self.block_size, self.num_kv_heads, self.head_dim,
                                            self.dtype, self.device)
         self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device)
         self.sampler = Sampler(config.seed, self.device)
@@ -62,9 +63,8 @@ class ModelRunner:
         return wanted
 
     def _num_blocks(self) -> int:
-        attn = self.model.model.layers[0].self_attn
         block_bytes = bytes_per_block(self.model_config.num_hidden_layers, self.block_size,
-                                      attn.num_kv_heads, attn.head_dim, self.dtype)
+                                      self.num_kv_heads, self.head_dim, self.dtype)
         max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         return determine_num_blocks(
             block_bytes, self.device, max_useful=max_useful,
@@ -86,20 +86,27 @@ class ModelRunner:
         self.attention.plan(step.metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         sampled_rows = step.rows[step.sampled]
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs = None
-        if len(sampled_rows):
-            logits = self.model.compute_logits(hidden[step.logits_indices])
-            tokens, row_logprobs = self.sampler.sample(logits, self.input_batch, sampled_rows)
-            self.input_batch.append_tokens(sampled_rows, tokens)
-            positions = step.sampled.nonzero()[0].tolist()
-            if len(positions) == len(sampled):  # every request sampled: the usual decode step
-                sampled = [[token] for token in tokens]
-            else:
-                for i, token in zip(positions, tokens):
-                    sampled[i] = [token]
-            if row_logprobs is not None:
-                logprobs = [None] * len(step.req_ids)
-                for i, entry in zip(positions, row_logprobs):
-                    logprobs[i] = [entry] if entry is not None else None
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step=so.step)
+        if not len(sampled_rows):  # only prefill chunks short of their prompts' ends
+            return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], step=so.step)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        tokens, logprobs = self.sampler.sample(logits, self.input_batch, sampled_rows)
+        self.input_batch.append_tokens(sampled_rows, tokens)
+        return _output(step.req_ids, step.sampled.nonzero()[0].tolist(), tokens, logprobs,
+                       so.step)
+
+
+def _output(req_ids: list[int], positions: list[int], tokens: list[int],
+            logprobs: list | None, step: int) -> ModelRunnerOutput:
+    """One list per request: its sampled token at `positions`, nothing for the others."""
+    if len(positions) == len(req_ids):  # every request sampled: the usual decode step
+        sampled = [[token] for token in tokens]
+    else:
+        sampled = [[] for _ in req_ids]
+        for i, token in zip(positions, tokens):
+            sampled[i] = [token]
+    per_request = None
+    if logprobs is not None:
+        per_request = [None] * len(req_ids)
+        for i, entry in zip(positions, logprobs):
+            per_request[i] = [entry] if entry is not None else None
+    return ModelRunnerOutput(req_ids, sampled, per_request, step=step)
