@@ -1,4 +1,4 @@
-"""Shared fixtures and test-session settings."""
+"""Test-session settings: the repository on sys.path, and no thread oversubscription."""
 from __future__ import annotations
 
 import os
