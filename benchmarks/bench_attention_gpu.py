@@ -18,6 +18,7 @@ import torch
 from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
 
 from worker.attention_metadata import AttentionMetadata
+from worker.cupy_attention import cuda_unavailable_reason
 
 TARGET = 0.80
 
@@ -31,17 +32,6 @@ class Result:
     ratio: float
     torch_us: float | None
 
-
-def gpu_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: torch.cuda.is_available() is False"
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install 'deltaserve[gpu]')"
-    if not cupy.cuda.is_available():
-        return "CuPy sees no CUDA GPU or driver"
-    return None
 
 
 def time_us(fn, iters: int) -> float:
@@ -123,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if reason := gpu_missing():
+    if reason := cuda_unavailable_reason():
         print(f"bench_attention_gpu: skipped, {reason}")
         return 0
     result = measure(args)

@@ -12,7 +12,7 @@ from launch import LLM, SamplingParams
 from launch import journal_tools, replay, timeline
 from launch.recorded_run import RecordedRun
 from model_utils import make_tiny_model
-from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
+from protocol import Channel, Codec, ModelRunnerOutput
 from protocol.journal import JournalError, JournalReader, JournalRecord, JournalWriter
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",

@@ -16,19 +16,11 @@ import torch
 
 from attention_cases import make_case, reference
 from worker.attention_backend import make_attention_backend
+from worker.cupy_attention import cuda_unavailable_reason
 
 
-def gpu_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed"
-    return None if cupy.cuda.is_available() else "CuPy sees no CUDA GPU or driver"
 
-
-REASON = gpu_missing()
+REASON = cuda_unavailable_reason()
 needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 _rng = random.Random(11)

@@ -221,23 +221,31 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tens
                              f"{tuple(cache.shape)}")
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA kernels cannot run in this process, or None when they can (also the skip
+    reason of the GPU tests and benchmark)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    try:
+        import cupy
+    except ImportError:
+        return ("CuPy is not installed: pip install 'deltaserve[gpu]' "
+                "(cupy-cuda13x, nvidia-cuda-nvrtc)")
+    return None if cupy.cuda.is_available() else "CuPy sees no CUDA GPU or driver"
+
+
 class CupyAttentionBackend(_KernelAttention):
     """The CUDA kernels through CuPy RawModule, on torch's current stream."""
 
     name = "cupy"
 
     def __init__(self, device: torch.device, split_tokens: int | None = None) -> None:
-        if device.type != "cuda" or not torch.cuda.is_available():
+        reason = cuda_unavailable_reason()
+        if device.type != "cuda" or reason:
             raise RuntimeError(f"attention_backend='cupy' needs a CUDA GPU, but the worker "
-                               f"runs on {device}; use 'torch' (or 'auto'), or 'emulated' to "
-                               "run the CUDA kernels in the CPU emulator")
-        try:
-            import cupy
-        except ImportError as e:
-            raise RuntimeError("attention_backend='cupy' needs CuPy: pip install "
-                               "'deltaserve[gpu]' (cupy-cuda13x, nvidia-cuda-nvrtc)") from e
-        if not cupy.cuda.is_available():
-            raise RuntimeError("attention_backend='cupy': CuPy sees no CUDA GPU/driver")
+                               f"runs on {device} ({reason or 'not a CUDA device'}); use "
+                               "'torch' (or 'auto'), or 'emulated' to run the CUDA kernels in "
+                               "the CPU emulator")
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         super().__init__(device, SplitPolicy(target_ctas=2 * sms, min_split_tokens=256),
                          split_tokens)
