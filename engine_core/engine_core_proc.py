@@ -13,8 +13,7 @@ from engine_core.worker_group import POLL_MS, WorkerFailure, WorkerGroup
 from engine_core.journal_header import open_journal
 from launch.process import become_child, configure_logging
 from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
-                      EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError,
-                      ShutdownEngine)
+                      EngineCoreOutputs, EngineFailed, EngineReady, ShutdownEngine)
 
 logger = logging.getLogger("deltaserve")
 
@@ -100,22 +99,11 @@ class EngineCoreProc:
         self.output.send(frame, copy=False)
 
     def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
-        """Every message waiting on the front-end socket (waiting up to timeout_ms for the
-        first); malformed frames are logged and dropped."""
-        messages = []
-        if not self.input.poll(timeout_ms):
-            return messages
-        while True:
-            try:
-                frame = self.input.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            if self.journal is not None:
-                self.journal.record(Channel.FRONTEND_TO_CORE, frame, self._step())
-            try:
-                messages.append(self.decoder.decode(frame))
-            except ProtocolError as e:
-                logger.warning("dropped a frame from the front-end: %s", e)
+        return self.decoder.receive_all(self.input, timeout_ms, self._record_input)
+
+    def _record_input(self, frame: bytes) -> None:
+        if self.journal is not None:
+            self.journal.record(Channel.FRONTEND_TO_CORE, frame, self._step())
 
     def _step(self) -> int:
         return self.engine.scheduler.step if self.engine is not None else 0

@@ -1,7 +1,6 @@
 """The front-end's side of the engine-core process: start it, talk to it, notice its death."""
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 import time
@@ -11,11 +10,10 @@ import zmq
 
 from launch.errors import EngineDeadError
 from launch.process import describe_exit, make_runtime_dir, spawn, stop_processes
-from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, EngineConfig, EngineCoreOutput,
-                      EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError, SchedulerStats,
-                      ShutdownEngine)
+from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, EngineConfig,
+                      EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
+                      SchedulerStats, ShutdownEngine)
 
-logger = logging.getLogger("deltaserve")
 POLL_MS = 100  # the engine core's liveness is checked at least this often while waiting
 
 
@@ -37,7 +35,8 @@ class EngineClient:
         self.output = self.context.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(f"ipc://{self.runtime_dir}/output")
-        self.encoder, self.decoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
+        self.encoder = Codec(Channel.FRONTEND_TO_CORE)
+        self.decoder = Codec(Channel.CORE_TO_FRONTEND)
         self.dead: EngineDeadError | None = None
         self.stats = SchedulerStats()
         self.last_step = 0  # the step of the latest outputs received
@@ -90,21 +89,10 @@ class EngineClient:
         """Every message waiting (waiting up to timeout_ms for the first). Raises
         EngineDeadError on a failure report or when the engine-core process is gone."""
         self._check_alive()
-        messages = []
-        if self.output.poll(timeout_ms):
-            while True:
-                try:
-                    frame = self.output.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    message = self.decoder.decode(frame)
-                except ProtocolError as e:
-                    logger.warning("dropped a frame from the engine core: %s", e)
-                    continue
-                if isinstance(message, EngineFailed):
-                    self._die(message.message, message.process)
-                messages.append(message)
+        messages = self.decoder.receive_all(self.output, timeout_ms)
+        for message in messages:
+            if isinstance(message, EngineFailed):
+                self._die(message.message, message.process)
         if not messages:
             self._check_alive()
         return messages

@@ -8,14 +8,19 @@ the wrong type, a value its `__post_init__` refuses) decodes to `ProtocolError`.
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import zmq
 
 from protocol.engine_messages import CoreToFrontend, FrontendToCore
 from protocol.int_column import IntColumn
 from protocol.scheduler_output import TokenCounts
 from protocol.worker_messages import CoreToWorker, WorkerToCore
+
+logger = logging.getLogger("deltaserve")
 
 PROTOCOL_VERSION = 1
 MAGIC = 0xD5
@@ -97,3 +102,23 @@ class Codec:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             raise ProtocolError(f"{self.channel.name}: malformed frame "
                                 f"({len(frame)} bytes): {e}") from None
+
+    def receive_all(self, socket: zmq.Socket, timeout_ms: int,
+                    on_frame: Callable[[bytes], None] | None = None) -> list[Any]:
+        """Every message waiting on `socket`, waiting up to timeout_ms for the first. Each
+        frame goes to `on_frame` as received (the journal); malformed frames are logged and
+        dropped, so a bad peer never stops the caller."""
+        messages: list[Any] = []
+        if not socket.poll(timeout_ms):
+            return messages
+        while True:
+            try:
+                frame = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            if on_frame is not None:
+                on_frame(frame)
+            try:
+                messages.append(self.decode(frame))
+            except ProtocolError as e:
+                logger.warning("dropped a frame: %s", e)
