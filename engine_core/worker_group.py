@@ -24,11 +24,13 @@ ALL_RANKS, UNKNOWN_RANK = 254, 255  # peer values of a broadcast and of an unnam
 
 
 class WorkerFailure(RuntimeError):
-    """A worker failed or died; `process` names it (e.g. "worker_1")."""
+    """A worker failed or died; `process` names it (e.g. "worker_1"). `reported` marks a
+    failure the worker described itself (a WorkerError)."""
 
-    def __init__(self, process: str, message: str) -> None:
+    def __init__(self, process: str, message: str, reported: bool = False) -> None:
         super().__init__(message)
         self.process = process
+        self.reported = reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class WorkerGroup:
         self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
         self.tap = tap
         self.step = 0
+        self.started = False  # every rank has reported WorkerReady
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -90,8 +93,8 @@ class WorkerGroup:
             elif isinstance(message, WorkerReady):
                 ready[message.rank] = message
             elif isinstance(message, WorkerError):
-                raise WorkerFailure(f"worker_{message.rank}", f"worker_{message.rank} failed "
-                                                              f"to start: {message.message}")
+                raise self._blame(self._failure_of(message))
+        self.started = True
         logger.info("workers ready: %s", ", ".join(
             f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend})"
             for r, m in sorted(ready.items())))
@@ -130,34 +133,55 @@ class WorkerGroup:
                                                     f"{step}")
                 return message
             if isinstance(message, WorkerError):
-                raise self._blame(WorkerFailure(
-                    f"worker_{message.rank}",
-                    f"worker_{message.rank} failed at step {message.step}: {message.message}"))
+                raise self._blame(self._failure_of(message))
 
     def check_alive(self) -> None:
+        """Raise a WorkerFailure if a local worker has exited, with its own report if queued."""
+        dead = self._dead_worker()
+        if dead is not None:
+            raise self._blame(dead)
+
+    def _dead_worker(self) -> WorkerFailure | None:
         for rank, proc in self.procs.items():
             if proc.poll() is not None:
-                raise WorkerFailure(f"worker_{rank}", f"worker_{rank} (pid {proc.pid}) "
-                                                      f"{describe_exit(proc.returncode)}")
+                return WorkerFailure(f"worker_{rank}", f"worker_{rank} (pid {proc.pid}) "
+                                                       f"{describe_exit(proc.returncode)}")
+        return None
 
-    def _blame(self, failure: WorkerFailure, grace_s: float = 0.3) -> WorkerFailure:
-        """A peer's death often surfaces first as a socket disconnect or as a collective
-        failing on a survivor: prefer blaming a local process that turns out to be dead."""
+    def _failure_of(self, error: WorkerError) -> WorkerFailure:
+        when = f"at step {error.step}" if self.started else "to start"
+        return WorkerFailure(f"worker_{error.rank}",
+                             f"worker_{error.rank} failed {when}: {error.message}", True)
+
+    def _blame(self, symptom: WorkerFailure, grace_s: float = 0.3) -> WorkerFailure:
+        """A failure often surfaces first as a symptom: a socket disconnect, a process exit,
+        or a collective failing on a survivor. Blame a local process that turns out to be
+        dead, in its own words if it sent a WorkerError; else the first report; else the
+        symptom."""
+        reports = {symptom.process: symptom} if symptom.reported else {}
         deadline = time.monotonic() + grace_s
         while True:
-            try:
-                self.check_alive()
-            except WorkerFailure as dead:
-                return dead
+            self._collect_reports(reports, 20)
+            dead = self._dead_worker()
+            if dead is not None:
+                self._collect_reports(reports, 100)
+                return reports.get(dead.process, dead)
             if time.monotonic() > deadline:
-                return failure
-            time.sleep(0.02)
+                return next(iter(reports.values()), symptom)
+
+    def _collect_reports(self, reports: dict[str, WorkerFailure], timeout_ms: int) -> None:
+        """Read queued frames (waiting up to the timeout for each); keep the WorkerErrors."""
+        while self.socket.poll(timeout_ms, zmq.POLLIN):
+            message, _ = self._read_frame()
+            if isinstance(message, WorkerError):
+                failure = self._failure_of(message)
+                reports.setdefault(failure.process, failure)
 
     def shutdown(self) -> None:
         for identity in self.peers.values():
             try:
                 self._send(identity, self.encoder.encode(WorkerShutdown()))
-            except zmq.ZMQError:
+            except WorkerFailure:
                 pass  # already gone
         stop_processes(list(self.procs.values()))
         self.monitor.close(linger=0)
@@ -174,21 +198,25 @@ class WorkerGroup:
         try:
             self.socket.send_multipart([identity, frame], copy=False)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
-            self.check_alive()
-            raise WorkerFailure("worker", f"cannot reach a worker: {e}") from None
+            raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
 
     def _receive(self, timeout_ms: int) -> tuple[object | None, bytes | None]:
-        """One decoded message and its sender, or (None, None) after the timeout. Checks
-        liveness on every call; malformed frames are logged and dropped."""
+        """One decoded message and its sender, or (None, None) after the timeout. Liveness is
+        checked whenever no frame is queued: a worker's last WorkerError is read before the
+        disconnect and the exit that follow it."""
         events = dict(self.poller.poll(timeout_ms))
-        self.check_alive()
+        if self.socket in events:
+            return self._read_frame()
         if self.monitor in events:
             self.monitor.recv_multipart()
             if self.peers:
                 raise self._blame(WorkerFailure(
                     "worker", f"a worker disconnected from {self.address}"))
-        if self.socket not in events:
-            return None, None
+        self.check_alive()
+        return None, None
+
+    def _read_frame(self) -> tuple[object | None, bytes | None]:
+        """Malformed frames are logged and dropped."""
         identity, frame = self.socket.recv_multipart()
         if self.tap is not None:
             self.tap(Channel.WORKER_TO_CORE, frame, self.step, self._rank_of(identity))

@@ -18,7 +18,8 @@ from engine_utils import engine_pids, titles, wait_gone
 from launch import LLM, EngineDeadError, SamplingParams
 from launch.process import free_port
 from model_utils import make_tiny_model
-from protocol import HEADER, Channel, Codec, WorkerHello
+from engine_core.worker_group import WorkerFailure, WorkerGroup
+from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
@@ -175,3 +176,26 @@ def test_remote_worker_joins_over_tcp(tiny):
         assert remote == local
     finally:
         worker.kill()
+
+
+def test_a_workers_last_report_wins_over_its_disconnect(tmp_path):
+    """A remote rank says hello, reports its failure and is gone before the engine core reads
+    anything: the error it sent, not the disconnect or the failed reply, is what is raised."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(model=str(tmp_path), worker_address=address, local_ranks=[],
+                          startup_timeout_s=10)
+    context = zmq.Context()
+    group = WorkerGroup(config, context, str(tmp_path))
+    worker = context.socket(zmq.DEALER)
+    worker.connect(address)
+    codec = Codec(Channel.WORKER_TO_CORE)
+    worker.send(codec.encode(WorkerHello(0, os.getpid(), "remote")))
+    worker.send(codec.encode(WorkerError(0, "OSError: disk on fire", 0)))
+    worker.close(linger=1000)
+    time.sleep(0.3)  # hello, report and disconnect are all queued
+    try:
+        with pytest.raises(WorkerFailure, match="worker_0 failed to start: OSError: disk on fire"):
+            group.start()
+    finally:
+        group.shutdown()
+        context.term()
