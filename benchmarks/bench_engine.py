@@ -39,10 +39,12 @@ def micro_model(directory: str) -> str:
     return directory
 
 
-def step_intervals(model: str, tp: int, new_tokens: int = 48) -> list[float]:
+def step_intervals(model: str, tp: int, async_scheduling: bool,
+                   new_tokens: int = 48) -> list[float]:
     """Seconds between consecutive decode steps, as the front-end receives them."""
     with LLM(model, tensor_parallel_size=tp, dtype="float32", max_num_seqs=N,
-             num_gpu_blocks_override=N * 8 + 1, max_model_len=256) as llm:
+             num_gpu_blocks_override=N * 8 + 1, max_model_len=256,
+             async_scheduling=async_scheduling) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         llm.engine.add_requests([AddRequest(f"r{i}", [1 + i % 100] * 8, params, time.time())
                                  for i in range(N)])
@@ -95,10 +97,27 @@ def overhead() -> None:
         wire = median_us(lambda: (codec.decode(codec.encode(so)), back.decode(back.encode(reply))),
                          repeat=300)
         print(f"  in-process: step + reply encode/decode {wire:.0f} us")
-        for tp in (1, 2):
-            step = statistics.median(step_intervals(model, tp))
-            print(f"  TP={tp}: {step * 1e3:.2f} ms per step end to end; overhead (step - "
-                  f"forward) {(step - fwd) * 1e3:.2f} ms")
+        for tp, async_scheduling in ((1, False), (1, True), (2, False), (2, True)):
+            step = statistics.median(step_intervals(model, tp, async_scheduling))
+            mode = "async scheduling" if async_scheduling else "sync scheduling "
+            print(f"  TP={tp}, {mode}: {step * 1e3:.2f} ms per step end to end; overhead "
+                  f"(step - forward) {(step - fwd) * 1e3:.2f} ms")
+
+
+def generate_throughput(model: str, prompts: list[list[int]], new_tokens: int,
+                        async_scheduling: bool) -> float:
+    """Median output tokens/s of LLM.generate over three runs on one engine."""
+    rates = []
+    with LLM(model, dtype="float32", max_num_seqs=len(prompts), kv_cache_memory_bytes=256 << 20,
+             max_model_len=1024, async_scheduling=async_scheduling) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for _ in range(3):
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates.append(produced / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def throughput(requests: int = 64, new_tokens: int = 64) -> None:
@@ -107,20 +126,14 @@ def throughput(requests: int = 64, new_tokens: int = 64) -> None:
                for _ in range(requests)]
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(tmp)
-        ours = []
-        with LLM(model, dtype="float32", max_num_seqs=requests,
-                 kv_cache_memory_bytes=256 << 20, max_model_len=1024) as llm:
-            params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-            for _ in range(3):
-                start = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
-                produced = sum(len(o.outputs[0].token_ids) for o in outs)
-                ours.append(produced / (time.perf_counter() - start))
-        theirs = [huggingface(model, prompts, new_tokens) for _ in range(3)]
-    o, t = statistics.median(ours), statistics.median(theirs)
+        ours = {mode: generate_throughput(model, prompts, new_tokens, mode)
+                for mode in (False, True)}
+        theirs = statistics.median(huggingface(model, prompts, new_tokens) for _ in range(3))
     print(f"offline throughput, {requests} requests (prompts 16..256, {new_tokens} new tokens):")
-    print(f"  LLM.generate {o:.1f} output tokens/s, HF generate {t:.1f}: ratio {o / t:.2f}x")
+    for mode, rate in ours.items():
+        name = "async scheduling" if mode else "sync scheduling "
+        print(f"  LLM.generate, {name}: {rate:.1f} output tokens/s; HF generate "
+              f"{theirs:.1f}: ratio {rate / theirs:.2f}x")
 
 
 def main() -> None:

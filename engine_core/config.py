@@ -15,6 +15,10 @@ class SchedulerConfig:
     # Caps the tokens one prefill chunk may take in a step (0: no cap beyond the budget).
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while step N runs: decode tokens whose values are still being sampled
+    # are scheduled as placeholders (the workers know them), and handles are reused only once
+    # no step in flight can name them. Off: every step is scheduled after the previous update.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -1,6 +1,7 @@
 """The engine's step logic without any transport: the one seam for tests, offline use and replay."""
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -18,6 +19,14 @@ class ModelExecutor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class PipelinedExecutor(ModelExecutor, Protocol):
+    """Also takes a step without waiting for it; answers come back in submission order."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ModelRunnerOutput: ...
+
+
 class EngineCore:
     """Adds and aborts requests and runs steps: schedule, execute, update."""
 
@@ -26,6 +35,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
+        self.batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
+        self.batch_queue_size = 2 if scheduler.async_scheduling else 1
 
     @staticmethod
     def from_config(config: EngineConfig, executor: ModelExecutor | None, num_blocks: int,
@@ -38,7 +49,8 @@ class EngineCore:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, policy=config.policy,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            async_scheduling=config.async_scheduling),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching))
         return EngineCore(scheduler, executor, vocab_size)
 
@@ -68,10 +80,35 @@ class EngineCore:
     def has_work(self) -> bool:
         """Unfinished requests. Handles that finished since the last step are announced in the
         next real step, never in an empty one whose timing would depend on the clock."""
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
         return scheduler_output, self.scheduler.update_from_output(scheduler_output,
                                                                    model_runner_output)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """One call of the async loop: schedule and submit the next step if there is work and
+        room in the queue, then collect the oldest step once the queue is full (or nothing
+        else can be scheduled). The workers run step N+1 while step N's answer is applied."""
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < \
+                self.batch_queue_size:
+            scheduler_output = self.scheduler.schedule()
+            self.executor.submit(scheduler_output)  # type: ignore[attr-defined]
+            self.batch_queue.append(scheduler_output)
+            if len(self.batch_queue) < self.batch_queue_size:
+                return []
+        return self._collect_oldest() if self.batch_queue else []
+
+    def finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Collect every step in flight (before shutting down, so each sent step has its
+        answer in the journal)."""
+        outputs: list[EngineCoreOutput] = []
+        while self.batch_queue:
+            outputs += self._collect_oldest()
+        return outputs
+
+    def _collect_oldest(self) -> list[EngineCoreOutput]:
+        executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
+        return self.scheduler.update_from_output(self.batch_queue.popleft(), executor.collect())

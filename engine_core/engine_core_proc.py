@@ -78,11 +78,12 @@ class EngineCoreProc:
             outputs: list[EngineCoreOutput] = []
             for message in self._receive(0 if busy else POLL_MS):
                 if isinstance(message, ShutdownEngine):
+                    engine.finish_in_flight()
                     return
                 outputs += engine.handle(message)
             if engine.has_work():
-                _, step_outputs = engine.step()
-                outputs += step_outputs
+                outputs += (engine.step_with_batch_queue() if self.config.async_scheduling
+                            else engine.step()[1])
             else:
                 self.workers.check_alive()
                 if was_busy:  # audit the block pool whenever the engine goes idle

@@ -41,10 +41,10 @@ class Request:
     """One generation request, described by token counts.
 
     Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, `num_tokens` is its
-    length and `0 <= num_computed_tokens <= num_tokens`. Tokens `[0, num_computed_tokens)` have
-    (or, once this step runs, will have) their KV in the request's blocks. Each step schedules
-    some of the remaining `num_tokens - num_computed_tokens` tokens and advances
-    `num_computed_tokens` at once; when it reaches `num_tokens` the worker samples a token,
+    length and `0 <= num_computed_tokens <= num_tokens + num_output_placeholders`. Tokens
+    `[0, num_computed_tokens)` have (or, once this step runs, will have) their KV in the
+    request's blocks. Each step schedules some of the remaining tokens and advances
+    `num_computed_tokens` at once; when it reaches the end the worker samples a token,
     `num_tokens` grows by one, and the request is behind by one token again. Prefill, chunked
     prefill, prefix-cache hits and recompute after preemption are all this one rule.
     """
@@ -52,7 +52,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time",
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
-                 "stop_reason", "num_preemptions", "max_tokens")
+                 "stop_reason", "num_preemptions", "max_tokens", "num_output_placeholders")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -75,6 +75,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens or sys.maxsize
+        # Tokens scheduled to be sampled whose values have not come back yet (async
+        # scheduling only; they sit after all_token_ids, and only the workers know them).
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

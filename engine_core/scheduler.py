@@ -48,6 +48,7 @@ class Scheduler:
         self.requests_by_handle: dict[int, Request] = {}
         self.step = 0
         self.num_preemptions = 0
+        self.async_scheduling = scheduler_config.async_scheduling
 
     # --- requests in and out ---------------------------------------------------------------
 
@@ -107,8 +108,11 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        output = plan.build(self.step, finished, self.kv_cache_manager,
-                            self.handles.bound, self.max_model_len)
+        output = plan.build(self.step, finished, self.kv_cache_manager, self.handles.bound,
+                            self.max_model_len, self.async_scheduling)
+        # Reusable from the next step on. Under async scheduling at most one step is in flight
+        # while this one is scheduled, and it is collected before the next is scheduled, so
+        # no late answer can reach a request that took over one of these handles.
         self.handles.release(finished)
         return output
 
@@ -126,6 +130,8 @@ class Scheduler:
             # A request preempted after this step was scheduled still takes its token: the
             # workers appended it too.
             was_waiting = request.status == RequestStatus.PREEMPTED
+            if request.num_output_placeholders:  # 0 if preempted since: the count restarted
+                request.num_output_placeholders -= 1
             new_token_ids = self._append_tokens(request, token_ids)
             reason = FINISH_REASONS.get(request.status)
             outputs.append(EngineCoreOutput(request.request_id, new_token_ids, reason,
@@ -187,8 +193,11 @@ class Scheduler:
                 plan.add_new(request, n)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        computed = request.num_computed_tokens
-        n = len(request.all_token_ids) - computed
+        computed, pending = request.num_computed_tokens, request.num_output_placeholders
+        if pending and (request.num_output_tokens + pending >= request.max_tokens
+                        or request.num_tokens + pending >= self.max_seq_len):
+            return 0  # the tokens in flight already end it by length
+        n = len(request.all_token_ids) + pending - computed
         if 0 < self.long_prefill_token_threshold < n:
             n = self.long_prefill_token_threshold
         # Positions computed this step must stay below max_model_len.
@@ -217,6 +226,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -270,6 +280,7 @@ class Scheduler:
         ids = [r.request_id for r in self.running + queued]
         if sorted(ids) != sorted(self.requests):
             raise IntegrityError("running + waiting do not match the known requests")
-        if any(r.num_computed_tokens > r.num_tokens for r in self.running):
+        if any(r.num_computed_tokens > r.num_tokens + r.num_output_placeholders
+               for r in self.running):
             raise IntegrityError("a request computed more tokens than it has")
         self.kv_cache_manager.check_integrity()

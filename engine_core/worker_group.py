@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -68,7 +69,8 @@ class WorkerGroup:
         self.peers: dict[int, bytes] = {}  # rank -> socket identity
         self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
         self.tap = tap
-        self.step = 0
+        self.step = 0  # the newest step submitted
+        self.in_flight: deque[int] = deque()  # steps submitted and not yet collected
         self.started = False  # every rank has reported WorkerReady
 
     # --- start-up ---------------------------------------------------------------------------
@@ -116,15 +118,29 @@ class WorkerGroup:
     # --- steps ------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_frame(self.encoder.encode(scheduler_output), scheduler_output.step)
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.submit_frame(self.encoder.encode(scheduler_output), scheduler_output.step)
 
     def execute_frame(self, frame: bytes | bytearray, step: int) -> ModelRunnerOutput:
         """Broadcast one encoded step (e.g. a recorded one) and wait for rank 0's answer."""
+        self.submit_frame(frame, step)
+        return self.collect()
+
+    def submit_frame(self, frame: bytes | bytearray, step: int) -> None:
+        """Broadcast one encoded step without waiting for its answer."""
         self.step = step
         if self.tap is not None:
             self.tap(Channel.CORE_TO_WORKER, frame, step, ALL_RANKS)
         for rank in range(self.world_size):
             self._send(self.peers[rank], frame, tap=False)
+        self.in_flight.append(step)
+
+    def collect(self) -> ModelRunnerOutput:
+        """Rank 0's answer to the oldest step submitted and not yet collected."""
+        step = self.in_flight.popleft()
         while True:
             message, identity = self._receive(POLL_MS)
             if isinstance(message, ModelRunnerOutput) and identity == self.peers[0]:

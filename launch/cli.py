@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--scheduling-policy", dest="policy", default="fcfs",
                    choices=["fcfs", "priority"])
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule the next step while the workers run the current one")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cupy", "emulated"])
     g.add_argument("--worker-address", help="tcp://HOST:PORT to let remote workers join")
@@ -42,8 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ("tensor_parallel_size", "device", "dtype", "max_model_len", "max_num_seqs",
              "max_num_batched_tokens", "block_size", "enable_prefix_caching",
              "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-             "gpu_memory_utilization", "policy", "attention_backend", "worker_address",
-             "local_ranks", "record_path", "seed")
+             "gpu_memory_utilization", "policy", "async_scheduling", "attention_backend",
+             "worker_address", "local_ranks", "record_path", "seed")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

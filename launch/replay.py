@@ -67,20 +67,22 @@ def replay_scheduler(path: str, out: Print = print) -> int:
     engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
                                     run.ready.max_model_len, run.ready.vocab_size)
     codec = Codec(Channel.CORE_TO_WORKER)
-    pending: SchedulerOutput | None = None
+    pending: dict[int, SchedulerOutput] = {}  # by step: async scheduling keeps two in flight
     steps = 0
     for record in run.records:
         for message in run.frontend_messages(record):
             engine.handle(message)
         if isinstance(record.message, SchedulerOutput):
-            pending = engine.scheduler.schedule()
-            if bytes(codec.encode(pending)) != record.frame:
+            decided = engine.scheduler.schedule()
+            if bytes(codec.encode(decided)) != record.frame:
                 out(f"step {record.message.step}: the scheduler decides differently\n"
-                    + unified_diff(readable(record.message), readable(pending)))
+                    + unified_diff(readable(record.message), readable(decided)))
                 return 1
+            pending[decided.step] = decided
             steps += 1
-        elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 and pending:
-            engine.scheduler.update_from_output(pending, record.message)
+        elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 \
+                and record.message.step in pending:
+            engine.scheduler.update_from_output(pending.pop(record.message.step), record.message)
     out(f"all {steps} scheduler steps are byte-identical")
     return 0
 

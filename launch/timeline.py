@@ -92,7 +92,7 @@ def draw(path: str, output: str) -> int:
                vmin=0, vmax=len(COLORS) - 1)
     top.set_ylabel(f"requests ({len(ids)}, by arrival)")
     fig.suptitle(f"{path}: {len(ids)} requests, {len(steps)} steps")
-    top.legend(handles=[Patch(color=c, label=l) for c, l in zip(COLORS[1:], LABELS[1:])],
+    top.legend(handles=[Patch(color=c, label=t) for c, t in zip(COLORS[1:], LABELS[1:])],
                loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=6, frameon=False)
     mid.bar(steps, [r.tokens for r in rows], width=1.0, color="#3b6fd4")
     mid.set_ylabel("tokens/step")

@@ -21,6 +21,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # Schedule the next step while the workers run the current one (see SchedulerConfig).
+    async_scheduling: bool = False
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9

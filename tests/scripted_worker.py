@@ -9,6 +9,7 @@ a bad resume shows up as a mismatch. Tokens come from a fixed script.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,14 @@ class ScriptedWorker:
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
         self.states: dict[int, _State] = {}
         self.last_step = 0
+        self.answers: deque[ModelRunnerOutput] = deque()  # submitted, not yet collected
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Run the step now (a real worker runs steps in order too); answer at `collect`."""
+        self.answers.append(self.execute_model(so))
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.answers.popleft()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert so.step == self.last_step + 1, f"step gap: {self.last_step} -> {so.step}"

@@ -12,7 +12,7 @@ from launch import LLM, SamplingParams
 from launch import journal_tools, replay, timeline
 from launch.recorded_run import RecordedRun
 from model_utils import make_tiny_model
-from protocol import Channel, Codec, ModelRunnerOutput
+from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 from protocol.journal import JournalError, JournalReader, JournalRecord, JournalWriter
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",
@@ -25,12 +25,12 @@ def tiny(tmp_path_factory):
                            tokenizer=True)
 
 
-def _record(path: str, tiny: str, stop: bool = True, tp: int = 1) -> list:
+def _record(path: str, tiny: str, stop: bool = True, tp: int = 1, **engine_args) -> list:
     """A run with chunked prefill, prefix hits, preemption, and stop-string aborts (the stop
     string is taken from the model's own greedy text, so it is sure to occur)."""
     with LLM(tiny, dtype="float32", block_size=8, max_num_batched_tokens=16,
              num_gpu_blocks_override=16, max_model_len=256, record_path=path,
-             tensor_parallel_size=tp) as llm:
+             tensor_parallel_size=tp, **engine_args) as llm:
         greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
         if stop:
             text = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].text
@@ -71,6 +71,20 @@ def test_worker_and_scheduler_replays_pass(recorded, capsys):
     assert replay.replay_workers(path, tensor_parallel_size=2, until_step=6) == 0
     out = capsys.readouterr().out
     assert "steps match" in out and "byte-identical" in out
+
+
+def test_an_async_scheduled_run_replays(tiny, tmp_path, capsys):
+    """Two steps in flight: answers arrive after the next step was sent, and still pair up."""
+    path = str(tmp_path / "async.journal")
+    _record(path, tiny, async_scheduling=True)
+    run = RecordedRun(path)
+    steps = [r.message for r in run.records
+             if isinstance(r.message, (SchedulerOutput, ModelRunnerOutput))]
+    first_answer = next(i for i, m in enumerate(steps) if isinstance(m, ModelRunnerOutput))
+    assert [m.step for m in steps[:first_answer + 1]] == [1, 2, 1], "sent 2 before 1's answer"
+    assert any(s.scheduler_output.preempted_req_ids for s in run.steps)
+    assert replay.replay_scheduler(path) == 0 and replay.replay_workers(path) == 0
+    assert "byte-identical" in capsys.readouterr().out
 
 
 def _rewrite(src: str, dst: str, change) -> None:

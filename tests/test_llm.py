@@ -22,10 +22,11 @@ def tiny(request, tmp_path_factory):
                            tokenizer=True)
 
 
-def _engine(path: str, tp: int) -> LLM:
+def _engine(path: str, tp: int, **engine_args) -> LLM:
     # A small token budget chunks the prefills; 20 blocks of 8 tokens force preemption.
     return LLM(path, tensor_parallel_size=tp, dtype="float32", block_size=8,
-               max_num_batched_tokens=16, num_gpu_blocks_override=20, max_model_len=256)
+               max_num_batched_tokens=16, num_gpu_blocks_override=20, max_model_len=256,
+               **engine_args)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,10 @@ def llm(tiny):
         yield llm
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_matches_hf(tiny, tp):
-    with _engine(tiny, tp) as llm:
+@pytest.mark.parametrize("tp,async_scheduling", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-async"])
+def test_greedy_matches_hf(tiny, tp, async_scheduling):
+    with _engine(tiny, tp, async_scheduling=async_scheduling) as llm:
         pids = engine_pids(llm)
         assert len(pids) == 1 + tp
         outs = llm.generate(TEXTS + TOKEN_PROMPTS,

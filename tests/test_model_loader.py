@@ -122,15 +122,15 @@ def test_qkv_shards_follow_heads(num_kv_heads):
 def test_column_row_and_vocab_shards_reassemble():
     gate, up, down = torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)
     merged = _shards(lambda tp: MergedColumnParallelLinear(8, [12, 12], tp),
-                     lambda l: (l.weight_loader(l.weight, gate, 0),
-                                l.weight_loader(l.weight, up, 1)), 2)
+                     lambda layer: (layer.weight_loader(layer.weight, gate, 0),
+                                    layer.weight_loader(layer.weight, up, 1)), 2)
     torch.testing.assert_close(torch.cat([m[:6] for m in merged]), gate)
     torch.testing.assert_close(torch.cat([m[6:] for m in merged]), up)
     rows = _shards(lambda tp: RowParallelLinear(12, 8, tp),
-                   lambda l: l.weight_loader(l.weight, down), 2)
+                   lambda layer: layer.weight_loader(layer.weight, down), 2)
     torch.testing.assert_close(torch.cat(rows, dim=1), down)
     vocab = torch.randn(11, 4)  # not divisible by 2: the last rank is zero-padded
     heads = _shards(lambda tp: ParallelLMHead(11, 4, tp),
-                    lambda l: l.weight_loader(l.weight, vocab), 2)
+                    lambda layer: layer.weight_loader(layer.weight, vocab), 2)
     torch.testing.assert_close(torch.cat(heads)[:11], vocab)
     assert heads[1][-1].abs().sum() == 0
