@@ -84,7 +84,11 @@ def forward_time(model: str) -> tuple[float, float]:
     return statistics.median(forward[5:]), statistics.median(total[5:])
 
 
-def overhead() -> None:
+def _ms(values: list[float]) -> str:
+    return ", ".join(f"{v * 1e3:.2f}" for v in values)
+
+
+def overhead(rounds: int = 3) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = micro_model(tmp)
         fwd, execute = forward_time(model)
@@ -97,11 +101,19 @@ def overhead() -> None:
         wire = median_us(lambda: (codec.decode(codec.encode(so)), back.decode(back.encode(reply))),
                          repeat=300)
         print(f"  in-process: step + reply encode/decode {wire:.0f} us")
-        for tp, async_scheduling in ((1, False), (1, True), (2, False), (2, True)):
-            step = statistics.median(step_intervals(model, tp, async_scheduling))
-            mode = "async scheduling" if async_scheduling else "sync scheduling "
-            print(f"  TP={tp}, {mode}: {step * 1e3:.2f} ms per step end to end; overhead "
-                  f"(step - forward) {(step - fwd) * 1e3:.2f} ms")
+        for tp in (1, 2):
+            # The host drifts: alternate the modes, and compare each pair run back to back.
+            runs = {False: [], True: []}
+            for _ in range(rounds):
+                for mode in runs:
+                    runs[mode].append(statistics.median(step_intervals(model, tp, mode)))
+            for mode, steps in runs.items():
+                step = statistics.median(steps)
+                name = "async scheduling" if mode else "sync scheduling "
+                print(f"  TP={tp}, {name}: {step * 1e3:.2f} ms per step end to end (rounds "
+                      f"{_ms(steps)}); overhead (step - forward) {(step - fwd) * 1e3:.2f} ms")
+            ratio = statistics.median(a / s for s, a in zip(runs[False], runs[True]))
+            print(f"  TP={tp}: async/sync step time, median of back-to-back pairs: {ratio:.2f}")
 
 
 def generate_throughput(model: str, prompts: list[list[int]], new_tokens: int,
