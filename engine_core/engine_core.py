@@ -36,6 +36,8 @@ class EngineCore:
         self.executor = executor
         self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
         self.batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
+        # Two at most: the scheduler reuses a finished request's handle on the assumption
+        # that at most one step is in flight while it schedules (see Scheduler.schedule).
         self.batch_queue_size = 2 if scheduler.async_scheduling else 1
 
     @staticmethod
@@ -78,8 +80,9 @@ class EngineCore:
         return self.abort_requests(message)
 
     def has_work(self) -> bool:
-        """Unfinished requests. Handles that finished since the last step are announced in the
-        next real step, never in an empty one whose timing would depend on the clock."""
+        """Unfinished requests, or steps in flight. Handles that finished since the last step
+        are announced in the next real step, never in an empty one whose timing would depend
+        on the clock."""
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:

@@ -71,6 +71,7 @@ class WorkerGroup:
         self.tap = tap
         self.step = 0  # the newest step submitted
         self.in_flight: deque[int] = deque()  # steps submitted and not yet collected
+        self.held: deque[tuple[object, bytes]] = deque()  # read while looking for reports
         self.started = False  # every rank has reported WorkerReady
 
     # --- start-up ---------------------------------------------------------------------------
@@ -186,12 +187,26 @@ class WorkerGroup:
                 return next(iter(reports.values()), symptom)
 
     def _collect_reports(self, reports: dict[str, WorkerFailure], timeout_ms: int) -> None:
-        """Read queued frames (waiting up to the timeout for each); keep the WorkerErrors."""
+        """Read queued frames (waiting up to the timeout for each) into `reports` if they are
+        WorkerErrors, else into `held` for `_receive`: a false alarm must lose nothing."""
         while self.socket.poll(timeout_ms, zmq.POLLIN):
-            message, _ = self._read_frame()
+            message, identity = self._read_frame()
             if isinstance(message, WorkerError):
                 failure = self._failure_of(message)
                 reports.setdefault(failure.process, failure)
+            elif message is not None:
+                self.held.append((message, identity))
+
+    def _on_disconnect(self) -> None:
+        """Raise if a worker is gone. When every rank is a local process that is alive and
+        none reported an error, the peer that left was not a worker (a stray connection):
+        log it and carry on. With remote ranks a disconnect is all we see, so it is fatal."""
+        symptom = WorkerFailure("worker", f"a worker disconnected from {self.address}")
+        failure = self._blame(symptom)
+        if failure is not symptom or len(self.procs) < self.world_size:
+            raise failure
+        logger.warning("a peer that is not a worker disconnected from %s; all %d workers are "
+                       "alive", self.address, self.world_size)
 
     def shutdown(self) -> None:
         for identity in self.peers.values():
@@ -220,14 +235,15 @@ class WorkerGroup:
         """One decoded message and its sender, or (None, None) after the timeout. Liveness is
         checked whenever no frame is queued: a worker's last WorkerError is read before the
         disconnect and the exit that follow it."""
+        if self.held:
+            return self.held.popleft()
         events = dict(self.poller.poll(timeout_ms))
         if self.socket in events:
             return self._read_frame()
         if self.monitor in events:
             self.monitor.recv_multipart()
             if self.peers:
-                raise self._blame(WorkerFailure(
-                    "worker", f"a worker disconnected from {self.address}"))
+                self._on_disconnect()
         self.check_alive()
         return None, None
 

@@ -39,7 +39,8 @@ def _generate_in_thread(llm: LLM) -> dict:
 
     def run() -> None:
         try:
-            llm.generate(["def add(a, b):"] * 4, LONG, use_tqdm=False)
+            while True:  # each call ends at max_model_len; keep going until the engine dies
+                llm.generate(["def add(a, b):"] * 4, LONG, use_tqdm=False)
         except Exception as e:
             result["error"], result["at"] = e, time.monotonic()
     thread = threading.Thread(target=run, daemon=True)
@@ -114,8 +115,9 @@ def test_children_exit_when_the_front_end_dies(tiny):
 def test_ctrl_c_stops_everything_in_order(tiny):
     body = """
         try:
-            llm.generate(["x"] * 8, SamplingParams(max_tokens=100000, ignore_eos=True),
-                         use_tqdm=False)
+            while True:  # each call ends at max_model_len; keep generating until interrupted
+                llm.generate(["x"] * 8, SamplingParams(max_tokens=100000, ignore_eos=True),
+                             use_tqdm=False)
         except KeyboardInterrupt:
             llm.shutdown()
             print("interrupted", flush=True)
@@ -149,9 +151,11 @@ def test_malformed_frames_are_dropped_and_serving_continues(tiny):
         pusher.send(b"not a frame")
         time.sleep(0.3)
         again = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
-        rogue.close(linger=0)
+        rogue.close(linger=0)  # a stranger leaving is not a worker dying
         pusher.close(linger=0)
-    assert again == expected
+        time.sleep(0.3)
+        after = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == expected and after == expected
 
 
 def test_process_titles(tiny):
