@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -92,7 +94,8 @@ def test_worker_that_fails_to_start(tmp_path):
 
 def _script(path: str, body: str) -> subprocess.Popen:
     code = textwrap.dedent(f"""
-        import sys, time
+        import faulthandler, signal, sys, time
+        faulthandler.register(signal.SIGUSR1)  # the test asks for our stacks if we hang
         from launch import LLM, SamplingParams
         llm = LLM({path!r}, dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
                   tensor_parallel_size=2)
@@ -100,12 +103,34 @@ def _script(path: str, body: str) -> subprocess.Popen:
         core = psutil.Process(llm.engine.proc.pid)
         print(" ".join(str(p.pid) for p in [core] + core.children()), flush=True)
     """) + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # stderr goes to a file (a pipe nobody reads could fill up and block the engine's logs).
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
+                            text=True)
+    proc.log = log
+    return proc
+
+
+def _line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    """The script's next stdout line; on a timeout or an early exit, fail with its stderr
+    (and, if it hangs, its threads' stacks)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else None
+    if line:
+        return line
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+    code = proc.wait()
+    proc.log.seek(0)
+    pytest.fail(f"the script {'hung' if line is None else 'ended'} (exit {code}):\n"
+                f"{proc.log.read().decode(errors='replace')}")
 
 
 def test_children_exit_when_the_front_end_dies(tiny):
     proc = _script(tiny, "time.sleep(60)\n")
-    pids = [int(p) for p in proc.stdout.readline().split()]
+    pids = [int(p) for p in _line(proc).split()]
     assert len(pids) == 3
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -123,11 +148,11 @@ def test_ctrl_c_stops_everything_in_order(tiny):
             print("interrupted", flush=True)
     """
     proc = _script(tiny, body)
-    pids = [int(p) for p in proc.stdout.readline().split()]
+    pids = [int(p) for p in _line(proc).split()]
     time.sleep(1.0)
     for pid in [proc.pid] + pids:  # a terminal's Ctrl-C reaches the whole process group
         os.kill(pid, signal.SIGINT)
-    assert proc.stdout.readline().strip() == "interrupted"
+    assert _line(proc).strip() == "interrupted"
     assert proc.wait(timeout=10) == 0
     assert not wait_gone(pids, 2.0)
 
