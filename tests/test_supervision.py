@@ -96,6 +96,9 @@ def _script(path: str, body: str) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import faulthandler, signal, sys, time
         faulthandler.register(signal.SIGUSR1)  # the test asks for our stacks if we hang
+        # Like a program in a terminal, whatever we inherited: a background job of a
+        # non-interactive shell (CI) starts with SIGINT ignored, and Python keeps it so.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from launch import LLM, SamplingParams
         llm = LLM({path!r}, dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
                   tensor_parallel_size=2)
@@ -131,7 +134,7 @@ def _line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
 def test_children_exit_when_the_front_end_dies(tiny):
     proc = _script(tiny, "time.sleep(60)\n")
     pids = [int(p) for p in _line(proc).split()]
-    assert len(pids) == 3
+    assert len(pids) == 3, f"expected the engine core and 2 workers, got pids {pids}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not wait_gone(pids, 2.0)
