@@ -92,9 +92,10 @@ class EngineCore:
                                                                    model_runner_output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """One call of the async loop: schedule and submit the next step if there is work and
+        """One call of the step loop: schedule and submit the next step if there is work and
         room in the queue, then collect the oldest step once the queue is full (or nothing
-        else can be scheduled). The workers run step N+1 while step N's answer is applied."""
+        else can be scheduled). With a queue of one this is `step()`; with two (async
+        scheduling) the workers run step N+1 while step N's answer is applied."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < \
                 self.batch_queue_size:
             scheduler_output = self.scheduler.schedule()

@@ -82,8 +82,7 @@ class EngineCoreProc:
                     return
                 outputs += engine.handle(message)
             if engine.has_work():
-                outputs += (engine.step_with_batch_queue() if self.config.async_scheduling
-                            else engine.step()[1])
+                outputs += engine.step_with_batch_queue()
             else:
                 self.workers.check_alive()
                 if was_busy:  # audit the block pool whenever the engine goes idle
