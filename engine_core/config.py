@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
-POLICIES = ("fcfs", "priority")
+from protocol.engine_config import SchedulingPolicy
+
+POLICIES = get_args(SchedulingPolicy)
 
 
 @dataclass(frozen=True, slots=True)

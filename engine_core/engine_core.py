@@ -30,11 +30,9 @@ class PipelinedExecutor(ModelExecutor, Protocol):
 class EngineCore:
     """Adds and aborts requests and runs steps: schedule, execute, update."""
 
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor,
-                 vocab_size: int | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
         self.batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         # Two at most: the scheduler reuses a finished request's handle on the assumption
         # that at most one step is in flight while it schedules (see Scheduler.schedule).
@@ -45,25 +43,22 @@ class EngineCore:
                     max_model_len: int, vocab_size: int | None) -> EngineCore:
         """The engine core for `config` once the workers reported their capacity (also what a
         scheduler-only replay builds, so both decide alike)."""
-        budget = config.max_num_batched_tokens or max(
-            8192, 0 if config.enable_chunked_prefill else max_model_len)
         scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.token_budget(max_model_len),
                             max_model_len=max_model_len, policy=config.policy,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             async_scheduling=config.async_scheduling),
-            CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching))
-        return EngineCore(scheduler, executor, vocab_size)
+            CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
+            vocab_size)
+        return EngineCore(scheduler, executor)
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.arrival_time, message.priority, message.eos_token_id)
         try:
-            if self.vocab_size and max(message.prompt_token_ids, default=0) >= self.vocab_size:
-                raise ValueError(f"prompt token id {max(message.prompt_token_ids)} is outside "
-                                 f"the vocabulary (size {self.vocab_size})")
             self.scheduler.add_request(request)
         except ValueError as e:
             return [EngineCoreOutput(message.request_id, [], "error", error=str(e))]

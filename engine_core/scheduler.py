@@ -13,6 +13,7 @@ from engine_core.step_plan import StepPlan
 from engine_core.stop_check import check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
+from protocol.prompt_check import check_prompt
 from protocol.scheduler_output import SchedulerOutput
 
 
@@ -27,7 +28,8 @@ class Scheduler:
     inputs always give the same step messages.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 vocab_size: int | None = None) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -35,6 +37,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = cache_config.block_size
+        self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         # A sequence longer than this cannot be computed even with the whole cache.
@@ -54,18 +57,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError (changing nothing) if it can never run."""
-        n = request.num_prompt_tokens
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, which leaves no room for output "
-                             f"within max_model_len={self.max_model_len}")
-        blocks = -(-n // self.block_size)
-        if blocks > self.kv_cache_manager.num_usable_blocks:
-            raise ValueError(f"the prompt has {n} tokens and needs {blocks} KV blocks, but the "
-                             f"whole KV cache has {self.kv_cache_manager.num_usable_blocks}")
+        check_prompt(request.prompt_token_ids, self.max_model_len,
+                     self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
         self.requests[request.request_id] = request

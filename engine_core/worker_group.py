@@ -81,7 +81,7 @@ class WorkerGroup:
             self.procs[rank] = spawn("worker", ["--connect", self.address, "--rank", str(rank)])
         host = urlparse(self.address).hostname if self.address.startswith("tcp") else None
         dist_host = "127.0.0.1" if host in (None, "0.0.0.0", "*") else host
-        init = WorkerInit(self.config.worker_config(f"tcp://{dist_host}:{free_port(dist_host)}"))
+        init = WorkerInit(self.config, f"tcp://{dist_host}:{free_port(dist_host)}")
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(ready) < self.world_size:

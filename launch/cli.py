@@ -2,51 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from typing import Any
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like `vllm serve`'s."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="Hugging Face style model directory (default: the shipped demo model)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--num-gpu-blocks-override", type=int)
-    g.add_argument("--kv-cache-memory-bytes", type=int)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--scheduling-policy", dest="policy", default="fcfs",
-                   choices=["fcfs", "priority"])
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="schedule the next step while the workers run the current one")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "cupy", "emulated"])
-    g.add_argument("--worker-address", help="tcp://HOST:PORT to let remote workers join")
-    g.add_argument("--local-ranks", type=int, nargs="*",
-                   help="ranks to start locally (default: all)")
-    g.add_argument("--record", dest="record_path", help="write a message journal to this path")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("tensor_parallel_size", "device", "dtype", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-             "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-             "gpu_memory_utilization", "policy", "async_scheduling", "attention_backend",
-             "worker_address", "local_ranks", "record_path", "seed")
-    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+from launch.engine_args import add_engine_args, engine_kwargs
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +18,6 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--stop", action="append")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
 
 

@@ -2,22 +2,23 @@
 from protocol.codec import HEADER, PROTOCOL_VERSION, Channel, Codec, ProtocolError, to_builtins
 from protocol.engine_config import EngineConfig
 from protocol.engine_messages import (AbortRequests, AddRequest, AddRequests, CoreToFrontend,
-                                      EngineCoreOutput,
-                                      EngineCoreOutputs, EngineFailed, EngineReady, FinishReason,
-                                      FrontendToCore, SchedulerStats, ShutdownEngine)
+                                      EngineCoreOutput, EngineCoreOutputs, EngineFailed,
+                                      EngineReady, FinishReason, FrontendToCore, SchedulerStats,
+                                      ShutdownEngine)
 from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
+from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput, TokenCounts
-from protocol.worker_messages import (CoreToWorker, WorkerConfig, WorkerError, WorkerHello,
-                                      WorkerInit, WorkerReady, WorkerShutdown, WorkerToCore)
+from protocol.worker_messages import (CoreToWorker, WorkerError, WorkerHello, WorkerInit,
+                                      WorkerReady, WorkerShutdown, WorkerToCore)
 
 __all__ = [
-    "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "IntColumn",
-    "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend", "EngineCoreOutput", "EngineCoreOutputs",
-    "EngineFailed", "EngineReady", "FinishReason", "FrontendToCore", "SchedulerStats",
-    "ShutdownEngine", "ModelRunnerOutput", "SampleLogprobs", "SamplingParams",
-    "CachedRequestData", "NewRequestData", "SchedulerOutput", "TokenCounts", "to_builtins",
-    "CoreToWorker", "WorkerConfig",
-    "WorkerError", "WorkerHello", "WorkerInit", "WorkerReady", "WorkerShutdown", "WorkerToCore",
+    "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",
+    "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend",
+    "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
+    "FrontendToCore", "SchedulerStats", "ShutdownEngine", "IntColumn", "ModelRunnerOutput",
+    "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
+    "SchedulerOutput", "TokenCounts", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
+    "WorkerReady", "WorkerShutdown", "WorkerToCore",
 ]

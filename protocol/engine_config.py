@@ -1,47 +1,70 @@
-"""The engine's configuration, handed from the front-end to the engine-core process at launch."""
+"""The engine's options: the one definition that `LLM`, `AsyncLLM`, the CLI and the workers
+derive from. Each field's description is its help text; `extra` carries CLI spellings."""
 from __future__ import annotations
 
-import msgspec
+import typing
+from typing import Annotated, Any, Literal
 
-from protocol.worker_messages import WorkerConfig
+import msgspec
+from msgspec import Meta
+
+AttentionBackendName = Literal["auto", "torch", "cupy", "emulated"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _opt(help: str, **extra: Any) -> Meta:
+    return Meta(description=help, extra=extra)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """Everything `LLM(...)` and `deltaserve generate` accept, validated on construction."""
+    """Everything an engine is started with, validated on construction."""
 
-    model: str
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    # Schedule the next step while the workers run the current one (see SchedulerConfig).
-    async_scheduling: bool = False
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    attention_backend: str = "auto"
-    # Where workers connect: None for an ipc socket in the engine's private runtime directory,
-    # or "tcp://HOST:PORT" so that workers on other hosts can join.
-    worker_address: str | None = None
-    # Ranks the engine core starts itself (None: all); the others join with `deltaserve worker`.
-    local_ranks: list[int] | None = None
-    record_path: str | None = None
-    startup_timeout_s: float = 600.0
+    model: Annotated[str, _opt("Hugging Face style model directory")]
+    tensor_parallel_size: Annotated[int, _opt("number of worker ranks", aliases=["-tp"])] = 1
+    device: Annotated[str, _opt("auto, cpu or cuda[:N]")] = "auto"
+    dtype: Annotated[DType, _opt("weights and activations; auto: the checkpoint's")] = "auto"
+    max_model_len: Annotated[int | None, _opt(
+        "longest sequence (prompt + output); default: the model's limit")] = None
+    max_num_seqs: Annotated[int, _opt("most requests running at once")] = 256
+    max_num_batched_tokens: Annotated[int | None, _opt(
+        "tokens per step; default: max(8192, max_model_len without chunked prefill)")] = None
+    block_size: Annotated[int, _opt("tokens per KV-cache block")] = 16
+    enable_prefix_caching: Annotated[bool, _opt("reuse the KV of shared prompt prefixes")] = True
+    enable_chunked_prefill: Annotated[bool, _opt("split long prompts across steps")] = True
+    long_prefill_token_threshold: Annotated[int, _opt(
+        "most tokens one prefill chunk takes per step (0: no cap)")] = 0
+    policy: Annotated[SchedulingPolicy, _opt(
+        "waiting-queue order", flag="--scheduling-policy")] = "fcfs"
+    async_scheduling: Annotated[bool, _opt(
+        "schedule the next step while the workers run the current one")] = False
+    num_gpu_blocks_override: Annotated[int | None, _opt(
+        "KV-cache blocks per worker, overriding the memory budget")] = None
+    kv_cache_memory_bytes: Annotated[int | None, _opt("KV-cache bytes per worker")] = None
+    gpu_memory_utilization: Annotated[float, _opt(
+        "fraction of GPU memory the engine may use")] = 0.9
+    seed: Annotated[int, _opt("seed of requests that bring none")] = 0
+    max_logprobs: Annotated[int, _opt("most logprobs a request may ask for per token")] = 20
+    attention_backend: Annotated[AttentionBackendName, _opt(
+        "auto: CUDA kernels on a GPU, torch on a CPU")] = "auto"
+    worker_address: Annotated[str | None, _opt(
+        "tcp://HOST:PORT to let remote workers join (default: a private ipc socket)")] = None
+    local_ranks: Annotated[list[int] | None, _opt(
+        "ranks the engine starts itself (default: all); the others join with "
+        "`deltaserve worker`")] = None
+    record_path: Annotated[str | None, _opt(
+        "write a message journal of the run to this path", flag="--record")] = None
+    startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
 
     def __post_init__(self) -> None:
-        positive = ("tensor_parallel_size", "max_num_seqs", "block_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for field in msgspec.structs.fields(self):
+            choices = literal_choices(field.type)
+            value = getattr(self, field.name)
+            if choices and value not in choices:
+                raise ValueError(f"{field.name} must be one of {', '.join(choices)}, "
+                                 f"got {value!r}")
+        for name in ("tensor_parallel_size", "max_num_seqs", "block_size", "max_model_len",
+                     "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -49,6 +72,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("num_gpu_blocks_override must be at least 2 (block 0 is reserved)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative")
         if self.worker_address is not None and not self.worker_address.startswith("tcp://"):
             raise ValueError(f"worker_address must be tcp://HOST:PORT, got {self.worker_address!r}")
         for rank in self.local_ranks or ():
@@ -56,19 +81,34 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
                                  f"{self.tensor_parallel_size}")
 
+    @staticmethod
+    def create(**options: Any) -> EngineConfig:
+        """Like the constructor, but an unknown option is a ValueError naming the known ones."""
+        known = set(EngineConfig.__struct_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return EngineConfig(**options)
+
     @property
     def spawned_ranks(self) -> list[int]:
         if self.local_ranks is None:
             return list(range(self.tensor_parallel_size))
         return sorted(self.local_ranks)
 
-    def worker_config(self, dist_init_method: str) -> WorkerConfig:
-        return WorkerConfig(
-            model=self.model, tensor_parallel_size=self.tensor_parallel_size,
-            dist_init_method=dist_init_method, device=self.device, dtype=self.dtype,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or 8192,
-            block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            gpu_memory_utilization=self.gpu_memory_utilization, seed=self.seed,
-            attention_backend=self.attention_backend)
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens per step: as given, else 8192, raised to max_model_len when prompts cannot
+        be chunked (a prompt must then fit one step)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(8192, 0 if self.enable_chunked_prefill else max_model_len)
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...]:
+    """The allowed values of a (possibly Annotated, possibly Optional) Literal type."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    return ()

@@ -3,19 +3,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
+
+from protocol.wire_struct import WireStruct
 
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import SamplingParams
-
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 # --- front-end -> engine core -------------------------------------------------------------
 
-class AddRequest(msgspec.Struct, tag=10, **_WIRE):
+class AddRequest(WireStruct, tag=10):
     """A tokenized request. `arrival_time` is set by the front-end so a replay decides alike."""
 
     request_id: str
@@ -26,24 +25,24 @@ class AddRequest(msgspec.Struct, tag=10, **_WIRE):
     eos_token_id: int | None = None
 
 
-class AddRequests(msgspec.Struct, tag=13, **_WIRE):
+class AddRequests(WireStruct, tag=13):
     """Several requests in one frame: the engine sees all of them before its next step, so
     an offline batch schedules the same way on every run."""
 
     requests: list[AddRequest]
 
 
-class AbortRequests(msgspec.Struct, tag=11, **_WIRE):
+class AbortRequests(WireStruct, tag=11):
     request_ids: list[str]
 
 
-class ShutdownEngine(msgspec.Struct, tag=12, **_WIRE):
+class ShutdownEngine(WireStruct, tag=12):
     pass
 
 
 # --- engine core -> front-end -------------------------------------------------------------
 
-class EngineCoreOutput(msgspec.Struct, **_WIRE):
+class EngineCoreOutput(WireStruct):
     """New tokens of one request; `finish_reason` set on its last output.
 
     `stop_reason` is the stop token id that ended it (the front-end puts the matched stop
@@ -63,7 +62,7 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
         return self.finish_reason is not None
 
 
-class SchedulerStats(msgspec.Struct, **_WIRE):
+class SchedulerStats(WireStruct):
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
@@ -71,13 +70,13 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     num_preemptions: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, tag=20, **_WIRE):
+class EngineCoreOutputs(WireStruct, tag=20):
     outputs: list[EngineCoreOutput]
     step: int = 0
     stats: SchedulerStats | None = None
 
 
-class EngineReady(msgspec.Struct, tag=21, **_WIRE):
+class EngineReady(WireStruct, tag=21):
     max_model_len: int
     num_blocks: int
     block_size: int
@@ -86,7 +85,7 @@ class EngineReady(msgspec.Struct, tag=21, **_WIRE):
     attention_backend: str = ""  # what the workers run ("torch", "cupy", "emulated")
 
 
-class EngineFailed(msgspec.Struct, tag=22, **_WIRE):
+class EngineFailed(WireStruct, tag=22):
     """The engine cannot serve any more; `process` names the process that failed or died."""
 
     message: str

@@ -1,12 +1,11 @@
 """What rank 0 returns to the scheduler after running one step."""
 from __future__ import annotations
 
-import msgspec
 
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+from protocol.wire_struct import WireStruct
 
 
-class SampleLogprobs(msgspec.Struct, **_WIRE):
+class SampleLogprobs(WireStruct):
     """Log-probabilities around one sampled token, from the model's raw distribution.
 
     `token_ids[0]` is the sampled token and `logprobs[0]` its log-probability; the rest are
@@ -18,7 +17,7 @@ class SampleLogprobs(msgspec.Struct, **_WIRE):
     rank: int
 
 
-class ModelRunnerOutput(msgspec.Struct, tag=2, **_WIRE):
+class ModelRunnerOutput(WireStruct, tag=2):
     """New tokens per scheduled request, in `req_ids` order.
 
     `sampled_token_ids[i]` is empty for a prefill chunk that did not reach the end of the

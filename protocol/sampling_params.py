@@ -1,13 +1,13 @@
 """Sampling parameters: vLLM's field names and defaults, validated on construction and decode."""
 from __future__ import annotations
 
-import msgspec
+from protocol.wire_struct import WireStruct
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 
 
-class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class SamplingParams(WireStruct):
     """How to sample one request's tokens.
 
     `max_tokens=None` means "up to max_model_len"; the front-end resolves it per prompt.
@@ -53,6 +53,7 @@ _INT_FIELDS = ("n", "top_k", "min_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_INT64 = 1 << 63
 
 
 def _check_types(p: SamplingParams) -> None:
@@ -94,7 +95,9 @@ def _check_ranges(p: SamplingParams) -> None:
         ("frequency_penalty", -2.0 <= p.frequency_penalty <= 2.0, "in [-2, 2]"),
         ("repetition_penalty", p.repetition_penalty > 0.0, "positive"),
         ("logprobs", p.logprobs is None or p.logprobs >= 0, "non-negative"),
-    )
+    ) + tuple((name, -_INT64 <= value < _INT64, "a 64-bit integer")
+              for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS
+              if (value := getattr(p, name)) is not None)
     for name, ok, expected in rules:
         if not ok:
             raise ValueError(f"{name} must be {expected}, got {getattr(p, name)!r}")

@@ -13,13 +13,13 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import msgspec
 
+from protocol.wire_struct import WireStruct
+
 from protocol.int_column import IntColumn
 from protocol.sampling_params import SamplingParams
 
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
-
-class NewRequestData(msgspec.Struct, **_WIRE):
+class NewRequestData(WireStruct):
     """A request scheduled for the first time: sent once, in full."""
 
     req_id: int
@@ -32,7 +32,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     eos_token_id: int | None = None
 
 
-class CachedRequestData(msgspec.Struct, **_WIRE):
+class CachedRequestData(WireStruct):
     """Deltas for requests the workers already know, as parallel columns.
 
     `num_computed_tokens[i]` is request i's count *before* this step's tokens. Integer
@@ -106,7 +106,7 @@ class TokenCounts(Mapping[int, int]):
         return f"TokenCounts({dict(self.items())})"
 
 
-class SchedulerOutput(msgspec.Struct, tag=1, **_WIRE):
+class SchedulerOutput(WireStruct, tag=1):
     """One step: which tokens every worker computes and where their KV goes.
 
     Keys of `num_scheduled_tokens` are exactly the handles in `scheduled_new_reqs` and

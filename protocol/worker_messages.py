@@ -6,53 +6,36 @@ of blocks it holds. Then `SchedulerOutput`s flow down and rank 0 answers `ModelR
 """
 from __future__ import annotations
 
-import msgspec
+from protocol.wire_struct import WireStruct
 
+from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
-
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
-
-
-class WorkerConfig(msgspec.Struct, kw_only=True, **_WIRE):
-    """Everything a worker needs to load the model and build its KV cache."""
-
-    model: str
-    tensor_parallel_size: int = 1
-    dist_init_method: str = ""
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    attention_backend: str = "auto"
-    num_threads: int = 0
 
 
 # --- engine core -> worker ----------------------------------------------------------------
 
-class WorkerInit(msgspec.Struct, tag=30, **_WIRE):
-    config: WorkerConfig
+class WorkerInit(WireStruct, tag=30):
+    """The engine's options, and where the tensor-parallel group meets (torch.distributed's
+    init_method, e.g. tcp://HOST:PORT)."""
+
+    config: EngineConfig
+    dist_init_method: str = ""
 
 
-class WorkerShutdown(msgspec.Struct, tag=31, **_WIRE):
+class WorkerShutdown(WireStruct, tag=31):
     pass
 
 
 # --- worker -> engine core ----------------------------------------------------------------
 
-class WorkerHello(msgspec.Struct, tag=40, **_WIRE):
+class WorkerHello(WireStruct, tag=40):
     rank: int
     pid: int
     hostname: str = ""
 
 
-class WorkerReady(msgspec.Struct, tag=41, **_WIRE):
+class WorkerReady(WireStruct, tag=41):
     rank: int
     num_blocks: int
     max_model_len: int
@@ -61,7 +44,7 @@ class WorkerReady(msgspec.Struct, tag=41, **_WIRE):
     vocab_size: int = 0
 
 
-class WorkerError(msgspec.Struct, tag=42, **_WIRE):
+class WorkerError(WireStruct, tag=42):
     """A worker failed: at start-up (`step` 0) or while running `step`."""
 
     rank: int

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from launch import LLM, SamplingParams
-from launch.cli import DEFAULT_MODEL
+from launch.engine_args import DEFAULT_MODEL
 from model_utils import assert_greedy_matches, hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def push(self, item):"]

@@ -5,7 +5,7 @@ import pytest
 
 from model_utils import make_tiny_model
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from protocol import WorkerConfig
+from protocol import EngineConfig
 from worker.input_batch import StepProtocolError
 from worker.model_runner import ModelRunner
 
@@ -13,7 +13,7 @@ from worker.model_runner import ModelRunner
 @pytest.fixture(scope="module")
 def runner_factory(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("m") / "model"), "llama")
-    return lambda: ModelRunner(WorkerConfig(model=path, num_gpu_blocks_override=32,
+    return lambda: ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=32,
                                             max_model_len=128))
 
 

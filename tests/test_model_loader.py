@@ -34,9 +34,9 @@ def test_low_precision_checkpoints(tmp_path, dtype):
     assert ModelConfig.from_pretrained(path).dtype == dtype
     ours, _ = generate(path, PROMPTS["mixed"][:3])  # float32 compute, like the reference
     assert_greedy_matches(ours, hf_greedy(path, PROMPTS["mixed"][:3], 10))
-    from protocol import WorkerConfig
+    from protocol import EngineConfig
     from worker.model_runner import ModelRunner
-    runner = ModelRunner(WorkerConfig(model=path, dtype="auto", num_gpu_blocks_override=8))
+    runner = ModelRunner(EngineConfig(model=path, dtype="auto", num_gpu_blocks_override=8))
     assert runner.dtype == dtype and runner.kv_caches[0][0].dtype == dtype
 
 
@@ -66,7 +66,7 @@ def test_unsupported_configs_are_named(tmp_path, changes, message):
 
 def test_missing_and_unknown_weights(tmp_path):
     from safetensors.torch import load_file, save_file
-    from protocol import WorkerConfig
+    from protocol import EngineConfig
     from worker.model_runner import ModelRunner
     path = make_tiny_model(str(tmp_path / "m"), "llama")
     file = os.path.join(path, "model.safetensors")
@@ -74,22 +74,22 @@ def test_missing_and_unknown_weights(tmp_path):
     del weights["model.norm.weight"]
     save_file(weights, file)
     with pytest.raises(ValueError, match="missing weights.*model.norm.weight"):
-        ModelRunner(WorkerConfig(model=path, num_gpu_blocks_override=4))
+        ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=4))
     weights["model.norm.weight"] = torch.ones(64)
     weights["model.extra.weight"] = torch.ones(3)
     save_file(weights, file)
     with pytest.raises(ValueError, match="model.extra.weight"):
-        ModelRunner(WorkerConfig(model=path, num_gpu_blocks_override=4))
+        ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=4))
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_pretrained(str(tmp_path))
 
 
 def test_max_model_len_beyond_the_model_is_refused(tmp_path):
-    from protocol import WorkerConfig
+    from protocol import EngineConfig
     from worker.model_runner import ModelRunner
     path = make_tiny_model(str(tmp_path / "m"), "llama")
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
-        ModelRunner(WorkerConfig(model=path, max_model_len=1024, num_gpu_blocks_override=4))
+        ModelRunner(EngineConfig(model=path, max_model_len=1024, num_gpu_blocks_override=4))
 
 
 def _shards(make, load, world: int) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
-from protocol import SamplingParams, WorkerConfig
+from protocol import SamplingParams, EngineConfig
 from worker.model_runner import ModelRunner
 
 MAX_NEW = 10
@@ -26,7 +26,7 @@ def generate(model_dir: str, prompts: list[list[int]], *, num_blocks: int = 200,
              waves: int = 1) -> tuple[list[list[int]], Scheduler]:
     """Run prompts through Scheduler + ModelRunner; `waves` > 1 submits them in turns, each
     after the previous finished, so later ones can hit the prefix cache of earlier ones."""
-    runner = ModelRunner(WorkerConfig(model=model_dir, dtype="float32", block_size=block_size,
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=block_size,
                                       num_gpu_blocks_override=num_blocks, max_model_len=256))
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

@@ -12,7 +12,7 @@ from protocol import (HEADER, AbortRequests, IntColumn, AddRequest, CachedReques
                       EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
                       ModelRunnerOutput, NewRequestData, ProtocolError, SampleLogprobs,
                       SamplingParams, SchedulerOutput, SchedulerStats, ShutdownEngine,
-                      TokenCounts, WorkerConfig, WorkerError, WorkerHello, WorkerInit,
+                      TokenCounts, EngineConfig, WorkerError, WorkerHello, WorkerInit,
                       WorkerReady, WorkerShutdown, to_builtins)
 
 
@@ -26,7 +26,7 @@ def _step() -> SchedulerOutput:
 MESSAGES = {
     Channel.CORE_TO_WORKER: [
         _step(), SchedulerOutput(step=1),
-        WorkerInit(WorkerConfig(model="/m", tensor_parallel_size=2, seed=3)), WorkerShutdown()],
+        WorkerInit(EngineConfig(model="/m", tensor_parallel_size=2, seed=3), "tcp://127.0.0.1:1"), WorkerShutdown()],
     Channel.WORKER_TO_CORE: [
         ModelRunnerOutput([3, 0], [[5], []], step=4),
         ModelRunnerOutput([1], [[7]], [[SampleLogprobs([7, 8], [-0.1, -2.5], 1)]], step=2),

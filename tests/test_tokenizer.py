@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from launch.cli import DEFAULT_MODEL
+from launch.engine_args import DEFAULT_MODEL
 from launch.detokenizer import IncrementalDetokenizer, find_stop_string
 from launch.tokenizer import JsonTokenizer, load_tokenizer, stop_token_ids_of
 from model_utils import save_tiny_tokenizer

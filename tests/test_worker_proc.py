@@ -10,7 +10,7 @@ import zmq
 from launch.process import make_runtime_dir
 from model_utils import make_tiny_model
 from protocol import (HEADER, Channel, Codec, ModelRunnerOutput, NewRequestData,
-                      SamplingParams, SchedulerOutput, WorkerConfig, WorkerError, WorkerHello,
+                      SamplingParams, SchedulerOutput, EngineConfig, WorkerError, WorkerHello,
                       WorkerInit, WorkerReady, WorkerShutdown)
 
 
@@ -47,7 +47,7 @@ def worker(tmp_path):
                              "--rank", "0"])
     hello = core.receive()
     assert isinstance(hello, WorkerHello) and hello.rank == 0 and hello.pid == proc.pid
-    core.send(WorkerInit(WorkerConfig(model=model, dtype="float32", max_model_len=64,
+    core.send(WorkerInit(EngineConfig(model=model, dtype="float32", max_model_len=64,
                                       num_gpu_blocks_override=8)))
     ready = core.receive()
     assert isinstance(ready, WorkerReady) and ready.num_blocks == 8 and ready.vocab_size == 256

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
-from protocol.worker_messages import WorkerConfig
 from worker.attention_backend import make_attention_backend
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
@@ -31,7 +31,7 @@ class ModelRunner:
     follow the previous one raises `StepProtocolError` instead of guessing.
     """
 
-    def __init__(self, config: WorkerConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.tp = tp or TensorParallel()
         self.device = resolve_device(config.device)

@@ -14,7 +14,7 @@ import zmq
 
 from launch.process import become_child, configure_logging, set_title
 from protocol import (Channel, Codec, ModelRunnerOutput, ProtocolError, SchedulerOutput,
-                      WorkerConfig, WorkerError, WorkerHello, WorkerInit, WorkerReady,
+                      EngineConfig, WorkerError, WorkerHello, WorkerInit, WorkerReady,
                       WorkerShutdown)
 from worker.model_runner import ModelRunner, resolve_device
 from worker.tensor_parallel import TensorParallel
@@ -49,7 +49,7 @@ class WorkerProc:
             init = self._receive()
             if not isinstance(init, WorkerInit):
                 return 0  # refused, or shut down before starting
-            runner = self._start(init.config)
+            runner = self._start(init.config, init.dist_init_method)
             return self._serve(runner)
         except Exception as e:
             logger.error("worker_%d failed:\n%s", self.rank, traceback.format_exc())
@@ -60,14 +60,14 @@ class WorkerProc:
             self.socket.close()
             self.context.term()
 
-    def _start(self, config: WorkerConfig) -> ModelRunner:
+    def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
-        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         device = resolve_device(config.device)
         if device.type == "cuda" and config.device in ("auto", "cuda"):
             device = torch.device("cuda", self.rank % torch.cuda.device_count())
             config = msgspec.structs.replace(config, device=str(device))
-        tp = TensorParallel.initialize(self.rank, world, config.dist_init_method, device)
+        tp = TensorParallel.initialize(self.rank, world, dist_init_method, device)
         runner = ModelRunner(config, tp)
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
                                str(runner.device), runner.attention.name,

@@ -1,0 +1,107 @@
+"""Prompts and sampling parameters in, validated engine requests out: the front-end's one
+input path, shared by `LLM` and `AsyncLLM`.
+
+Everything the engine core would refuse is refused here first, as a ValueError naming the
+field, so a bad request fails alone and never reaches the engine: the prompt check the engine
+core applies (`check_prompt`), `SamplingParams`' own validation re-run (a params object may
+have been changed after construction), the engine's caps, and finally a round trip through the
+wire codec, so that what is sent is exactly what the engine core will decode.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from protocol import (AddRequest, Channel, Codec, EngineReady, ProtocolError, SamplingParams,
+                      check_prompt)
+
+PromptType = str | dict[str, Any]
+MAX_N = 128  # sequences per request, as OpenAI's API allows
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, stop_token_ids: list[int], ready: EngineReady,
+                 model: str, max_logprobs: int = 20) -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids  # [EOS, other end-of-generation ids...]
+        self.eos_token_id = stop_token_ids[0] if stop_token_ids else None
+        self.extra_stop_ids = stop_token_ids[1:]
+        self.ready = ready
+        self.model = model
+        self.max_logprobs = max_logprobs
+        self._codec = Codec(Channel.FRONTEND_TO_CORE)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a string or `{"prompt_token_ids": [...]}` prompt."""
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError("a dict prompt needs 'prompt_token_ids', a list of ints")
+            if not all(type(t) is int for t in ids):
+                raise ValueError("prompt_token_ids must be ints")
+            text = prompt.get("prompt")
+            return (text if isinstance(text, str) else None), list(ids)
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError(f"the model directory {self.model!r} has no tokenizer; "
+                             "pass {'prompt_token_ids': [...]} instead of text")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position "
+                             f"{e.start})") from None
+        return prompt, self.tokenizer.encode(prompt)
+
+    def resolve(self, token_ids: list[int], params: Any) -> SamplingParams:
+        """Check the prompt and parameters against the engine's limits; fill in defaults."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got "
+                             f"{type(params).__name__}")
+        params = msgspec.structs.replace(params)  # re-validates a possibly mutated object
+        ready = self.ready
+        check_prompt(token_ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
+                     ready.vocab_size)
+        if params.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs must be at most {self.max_logprobs} (the engine's "
+                             f"max_logprobs), got {params.logprobs}")
+        updates: dict[str, Any] = {}
+        if params.max_tokens is None:
+            updates["max_tokens"] = ready.max_model_len - len(token_ids)
+        if self.extra_stop_ids and not params.ignore_eos:
+            have = params.stop_token_ids or []
+            updates["stop_token_ids"] = have + [t for t in self.extra_stop_ids if t not in have]
+        return msgspec.structs.replace(params, **updates) if updates else params
+
+    def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     arrival_time: float, priority: Any = 0) -> AddRequest:
+        """The request exactly as the engine core will decode it."""
+        if type(priority) is not int or not -(1 << 63) <= priority < 1 << 63:
+            raise ValueError(f"priority must be a 64-bit int, got {priority!r}")
+        request = AddRequest(request_id, token_ids, params, arrival_time, priority,
+                             self.eos_token_id)
+        try:
+            frame = self._codec.encode(request)
+            self._codec.decode(frame)
+        except (ProtocolError, OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
+        return request
+
+
+def per_prompt(params: Any, count: int) -> list[Any]:
+    """One SamplingParams per prompt (a single one, or None for defaults, applies to all)."""
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, (str, bytes, dict)):
+        raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
+                         f"{type(params).__name__}")
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling parameter sets for {count} prompts")
+    return params
