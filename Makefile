@@ -15,6 +15,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 DEMO_PROMPT ?= def fibonacci(n):

@@ -9,9 +9,9 @@ import msgspec
 import zmq
 
 from engine_core.engine_core import EngineCore
-from engine_core.worker_group import POLL_MS, WorkerFailure, WorkerGroup
-from engine_core.journal_header import open_journal
-from launch.process import become_child, configure_logging
+from engine_core.worker_group import WorkerFailure, WorkerGroup
+from protocol.journal_header import open_journal
+from common.process import POLL_MS, become_child, configure_logging
 from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
                       EngineCoreOutputs, EngineFailed, EngineReady, ShutdownEngine)
 

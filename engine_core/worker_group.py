@@ -11,13 +11,12 @@ from urllib.parse import urlparse
 
 import zmq
 
-from launch.process import describe_exit, free_port, spawn, stop_processes
+from common.process import POLL_MS, describe_exit, free_port, spawn, stop_processes
 from protocol import (Channel, Codec, EngineConfig, ModelRunnerOutput, ProtocolError,
                       SchedulerOutput, WorkerError, WorkerHello, WorkerInit, WorkerReady,
                       WorkerShutdown)
 
 logger = logging.getLogger("deltaserve")
-POLL_MS = 100  # liveness is checked at least this often while waiting
 
 # Called with every frame crossing the worker socket: (channel, frame, step, peer rank).
 FrameTap = Callable[[Channel, bytes, int, int], None]
@@ -35,7 +34,7 @@ class WorkerFailure(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class WorkersReady:
+class WorkerCapacity:
     num_blocks: int  # the minimum over ranks
     max_model_len: int
     vocab_size: int
@@ -69,14 +68,14 @@ class WorkerGroup:
         self.peers: dict[int, bytes] = {}  # rank -> socket identity
         self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
         self.tap = tap
-        self.step = 0  # the newest step submitted
+        self.submitted_step = 0  # the newest step submitted
         self.in_flight: deque[int] = deque()  # steps submitted and not yet collected
         self.held: deque[tuple[object, bytes]] = deque()  # read while looking for reports
         self.started = False  # every rank has reported WorkerReady
 
     # --- start-up ---------------------------------------------------------------------------
 
-    def start(self) -> WorkersReady:
+    def start(self) -> WorkerCapacity:
         for rank in self.config.spawned_ranks:
             self.procs[rank] = spawn("worker", ["--connect", self.address, "--rank", str(rank)])
         host = urlparse(self.address).hostname if self.address.startswith("tcp") else None
@@ -101,7 +100,7 @@ class WorkerGroup:
         logger.info("workers ready: %s", ", ".join(
             f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend})"
             for r, m in sorted(ready.items())))
-        return WorkersReady(min(m.num_blocks for m in ready.values()),
+        return WorkerCapacity(min(m.num_blocks for m in ready.values()),
                             min(m.max_model_len for m in ready.values()),
                             min(m.vocab_size for m in ready.values()),
                             ready[0].attention_backend)
@@ -132,7 +131,7 @@ class WorkerGroup:
 
     def submit_frame(self, frame: bytes | bytearray, step: int) -> None:
         """Broadcast one encoded step without waiting for its answer."""
-        self.step = step
+        self.submitted_step = step
         if self.tap is not None:
             self.tap(Channel.CORE_TO_WORKER, frame, step, ALL_RANKS)
         for rank in range(self.world_size):
@@ -225,7 +224,7 @@ class WorkerGroup:
 
     def _send(self, identity: bytes, frame: bytes | bytearray, tap: bool = True) -> None:
         if tap and self.tap is not None:
-            self.tap(Channel.CORE_TO_WORKER, frame, self.step, self._rank_of(identity))
+            self.tap(Channel.CORE_TO_WORKER, frame, self.submitted_step, self._rank_of(identity))
         try:
             self.socket.send_multipart([identity, frame], copy=False)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
@@ -251,7 +250,7 @@ class WorkerGroup:
         """Malformed frames are logged and dropped."""
         identity, frame = self.socket.recv_multipart()
         if self.tap is not None:
-            self.tap(Channel.WORKER_TO_CORE, frame, self.step, self._rank_of(identity))
+            self.tap(Channel.WORKER_TO_CORE, frame, self.submitted_step, self._rank_of(identity))
         try:
             return self.decoder.decode(frame), identity
         except ProtocolError as e:

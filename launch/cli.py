@@ -67,7 +67,7 @@ def _journal_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def replay(args: argparse.Namespace) -> int:
-    from launch import replay as replays
+    from replay import replay as replays
     if args.dump_step is not None:
         if not args.out:
             raise ValueError("--dump-step needs --out DIR")
@@ -79,7 +79,7 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def journal(args: argparse.Namespace) -> int:
-    from launch import journal_tools, timeline
+    from replay import journal_tools, timeline
     if args.journal_command == "show":
         return journal_tools.show(args.journal)
     if args.journal_command == "diff":

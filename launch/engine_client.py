@@ -9,12 +9,10 @@ import msgspec
 import zmq
 
 from launch.errors import EngineDeadError
-from launch.process import describe_exit, make_runtime_dir, spawn, stop_processes
+from common.process import POLL_MS, describe_exit, make_runtime_dir, spawn, stop_processes
 from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, EngineConfig,
                       EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
                       SchedulerStats, ShutdownEngine)
-
-POLL_MS = 100  # the engine core's liveness is checked at least this often while waiting
 
 
 class EngineClient:

@@ -9,6 +9,8 @@ import pytest
 
 from model_utils import make_tiny_model
 
+pytestmark = pytest.mark.slow  # real engine processes
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

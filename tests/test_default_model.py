@@ -31,6 +31,7 @@ def test_checkpoint_is_small_and_described(shipped):
     assert "train_demo_model.py" in card
 
 
+@pytest.mark.slow
 def test_greedy_matches_hugging_face(shipped):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     with LLM(shipped, dtype="float32", max_model_len=512) as llm:
@@ -39,6 +40,7 @@ def test_greedy_matches_hugging_face(shipped):
     assert_greedy_matches([o.outputs[0].token_ids for o in outs], refs)
 
 
+@pytest.mark.slow
 def test_completion_looks_like_python(shipped):
     with LLM(shipped, max_model_len=512) as llm:  # dtype auto: bfloat16, as shipped
         (out,) = llm.generate("def fibonacci(n):", SamplingParams(temperature=0.0,

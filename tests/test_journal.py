@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from launch import LLM, SamplingParams
-from launch import journal_tools, replay, timeline
-from launch.recorded_run import RecordedRun
+from replay import journal_tools, replay, timeline
+from replay.recorded_run import RecordedRun
 from model_utils import make_tiny_model
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 from protocol.journal import JournalError, JournalReader, JournalRecord, JournalWriter
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",
            "def add(a, b):\n    return", "print('hello"] * 2
+
+pytestmark = pytest.mark.slow  # real engine processes
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ import pytest
 
 from worker.cuda_kernels import (DECODE_ROWS, INSTANTIATIONS, KERNEL_DIR, NVRTC_OPTIONS,
                                  SOURCES, attention_smem_bytes, kernel_source,
-                                 name_expressions, nvrtc_compile)
+                                 name_expressions)
+from nvrtc_compile import nvrtc_compile
 
 ARCHS = ("sm_80", "sm_90")
 NVCC_ARCH = "sm_90"

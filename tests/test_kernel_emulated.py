@@ -16,7 +16,8 @@ import torch
 
 from attention_cases import make_case, reference
 from worker.cuda_kernels import KernelConfig, name_expressions, source_paths
-from worker.cupy_attention import EmulatedAttentionBackend, SplitPolicy, work_items
+from worker.emulated_attention import EmulatedAttentionBackend
+from worker.kernel_attention import SplitPolicy, work_items
 from worker.emulator import EmulatorUnavailable, KernelEmulationError, load_library
 from worker.emulator.build import EMULATOR_DIR
 from worker.torch_attention import TorchAttentionBackend
@@ -148,7 +149,7 @@ def test_work_items_and_split_policy():
 
 
 def test_too_little_shared_memory_is_reported(monkeypatch):
-    import worker.cupy_attention as backend_module
+    import worker.kernel_attention as backend_module
     original = backend_module.attention_smem_bytes
     monkeypatch.setattr(backend_module, "attention_smem_bytes", lambda *a: original(*a) - 16)
     with pytest.raises(KernelEmulationError, match="needs .* bytes of dynamic shared memory"):

@@ -9,6 +9,8 @@ from engine_utils import engine_pids, wait_gone
 from launch import LLM, SamplingParams
 from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
 
+pytestmark = pytest.mark.slow  # real engine processes
+
 SHARED = "Pack my box with five dozen liquor jugs! The quick brown fox jumps. "
 TEXTS = [SHARED + "def add(a, b):", "print('hello", SHARED + "return a + b", "The lazy dog",
          "x", SHARED * 2]

@@ -18,10 +18,12 @@ import zmq
 
 from engine_utils import engine_pids, titles, wait_gone
 from launch import LLM, EngineDeadError, SamplingParams
-from launch.process import free_port
+from common.process import free_port
 from model_utils import make_tiny_model
 from engine_core.worker_group import WorkerFailure, WorkerGroup
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
+
+pytestmark = pytest.mark.slow  # real engine processes
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 

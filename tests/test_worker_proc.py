@@ -7,11 +7,13 @@ import sys
 import pytest
 import zmq
 
-from launch.process import make_runtime_dir
+from common.process import make_runtime_dir
 from model_utils import make_tiny_model
 from protocol import (HEADER, Channel, Codec, ModelRunnerOutput, NewRequestData,
                       SamplingParams, SchedulerOutput, EngineConfig, WorkerError, WorkerHello,
                       WorkerInit, WorkerReady, WorkerShutdown)
+
+pytestmark = pytest.mark.slow  # real engine processes
 
 
 class FakeEngineCore:

@@ -40,5 +40,5 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "cupy":
         from worker.cupy_attention import CupyAttentionBackend
         return CupyAttentionBackend(device)
-    from worker.cupy_attention import EmulatedAttentionBackend
+    from worker.emulated_attention import EmulatedAttentionBackend
     return EmulatedAttentionBackend()

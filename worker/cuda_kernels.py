@@ -1,14 +1,12 @@
-"""The CUDA kernels: their source, the one table of template instantiations, their launch
-geometry, and loading them with CuPy (NVRTC) once per process.
+"""The CUDA kernels' source and the one table of their template instantiations, with the
+launch geometry both sides must agree on.
 
-The same table feeds CuPy's `name_expressions`, the CI compile checks
-(tests/test_kernel_compile.py) and the CPU emulator (worker/emulator). CuPy is imported
-lazily, so this module works on machines without it.
+The same table feeds CuPy's `name_expressions` (worker/cupy_attention.py), the CI compile
+checks (tests/test_kernel_compile.py) and the CPU emulator (worker/emulator).
 """
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,79 +110,3 @@ def attention_smem_bytes(dtype: torch.dtype, head_dim: int, rows: int) -> int:
     kv_bytes = 2 * tile * (head_dim + vec) * itemsize
     p_bytes = -(-rows * (tile + 1) * 4 // 16) * 16
     return q_bytes + kv_bytes + p_bytes + 3 * rows * 4 + 128 * 4
-
-
-class CupyLauncher:
-    """Launches the kernels of one config on a CUDA device, on torch's current stream, with
-    tensors passed zero-copy through DLPack."""
-
-    def __init__(self, config: KernelConfig, device: torch.device) -> None:
-        self.device = device
-        self.module = _cupy_module(config)
-        self._functions: dict[str, object] = {}
-        self._lock = threading.Lock()
-
-    def _function(self, name: str, shared_mem: int) -> object:
-        with self._lock:
-            if name not in self._functions:
-                self._functions[name] = self.module.get_function(name)
-            function = self._functions[name]
-        if shared_mem > max(SMEM_DEFAULT_LIMIT, function.max_dynamic_shared_size_bytes):
-            function.max_dynamic_shared_size_bytes = shared_mem  # opt in above 48 KiB
-        return function
-
-    def launch(self, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
-               args: Sequence[object]) -> None:
-        import cupy
-        function = self._function(name, shared_mem)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        with cupy.cuda.Device(self.device.index or 0), cupy.cuda.ExternalStream(stream):
-            converted = tuple(cupy.from_dlpack(a) if isinstance(a, torch.Tensor) else a
-                              for a in args)
-            function(tuple(grid), tuple(block), converted, shared_mem=shared_mem)
-
-
-@dataclass
-class NvrtcResult:
-    arch: str
-    lowered: dict[str, str]  # name expression -> mangled kernel name
-    log: str  # NVRTC's log; with `ptxas_verbose`, ptxas's per-kernel resource report
-    binary: bytes  # the cubin for sm_XX, the PTX text for compute_XX
-
-
-def nvrtc_compile(arch: str, names: Sequence[str] | None = None,
-                  ptxas_verbose: bool = True) -> NvrtcResult:
-    """Compile to a cubin for `arch` ("sm_90"; "compute_90" gives PTX) the way CuPy's
-    RawModule does (NVRTC with CuPy's include options, -ftz=true, -arch=sm_XX,
-    --device-as-default-execution-space, name expressions), but through `cupy.cuda.nvrtc`
-    directly: CuPy's own helpers query the device, so they fail without a GPU. Raises
-    RuntimeError with the compiler log on failure."""
-    from cupy._core import core
-    from cupy.cuda import nvrtc
-    names = list(name_expressions() if names is None else names)
-    options = [*core.assemble_cupy_compiler_options(NVRTC_OPTIONS), "-ftz=true",
-               f"-arch={arch}", "--device-as-default-execution-space"]
-    cubin = arch.startswith("sm_")
-    if ptxas_verbose and cubin:
-        options.append("-Xptxas=-v")
-    program = nvrtc.createProgram(kernel_source(), "deltaserve_kernels.cu", [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed for {arch}:\n{nvrtc.getProgramLog(program)}") from e
-        binary = nvrtc.getCUBIN(program) if cubin else nvrtc.getPTX(program)
-        return NvrtcResult(arch, {n: nvrtc.getLoweredName(program, n) for n in names},
-                           nvrtc.getProgramLog(program), binary)
-    finally:
-        nvrtc.destroyProgram(program)
-
-
-@functools.cache
-def _cupy_module(config: KernelConfig) -> object:
-    """One NVRTC module per config, compiled on first use (CuPy caches cubins on disk)."""
-    import cupy
-    return cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS, backend="nvrtc",
-                          name_expressions=list(config.kernels))

@@ -12,7 +12,7 @@ import msgspec
 import torch
 import zmq
 
-from launch.process import become_child, configure_logging, set_title
+from common.process import become_child, configure_logging, set_title
 from protocol import (Channel, Codec, ModelRunnerOutput, ProtocolError, SchedulerOutput,
                       EngineConfig, WorkerError, WorkerHello, WorkerInit, WorkerReady,
                       WorkerShutdown)
@@ -41,7 +41,7 @@ class WorkerProc:
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.encoder, self.decoder = Codec(Channel.WORKER_TO_CORE), Codec(Channel.CORE_TO_WORKER)
-        self.step = 0  # the step being run, for error reports
+        self.current_step = 0  # the step being run, for error reports
 
     def run(self) -> int:
         try:
@@ -53,7 +53,7 @@ class WorkerProc:
             return self._serve(runner)
         except Exception as e:
             logger.error("worker_%d failed:\n%s", self.rank, traceback.format_exc())
-            self._send(WorkerError(self.rank, f"{type(e).__name__}: {e}", self.step))
+            self._send(WorkerError(self.rank, f"{type(e).__name__}: {e}", self.current_step))
             return 1
         finally:
             self.monitor.close(linger=0)
@@ -81,7 +81,7 @@ class WorkerProc:
                 runner.tp.shutdown()
                 return 0
             if isinstance(message, SchedulerOutput):
-                self.step = message.step
+                self.current_step = message.step
                 output: ModelRunnerOutput = runner.execute_model(message)
                 if self.rank == 0:
                     self._send(output)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launch.recorded_run import Print, RecordedRun, RecordedStep, readable, unified_diff
+from replay.recorded_run import Print, RecordedRun, RecordedStep, readable, unified_diff
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from launch.journal_tools import step_rows
-from launch.recorded_run import RecordedRun
+from replay.journal_tools import step_rows
+from replay.recorded_run import RecordedRun
 from protocol import EngineCoreOutputs
 
 # Cell states of the request-by-step picture.

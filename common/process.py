@@ -12,6 +12,9 @@ import threading
 import time
 
 logger = logging.getLogger("deltaserve")
+# Liveness of peers (a child process, the engine core, the workers) is checked at least this
+# often while a process waits for messages.
+POLL_MS = 100
 
 
 def make_runtime_dir() -> str:

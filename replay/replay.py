@@ -10,8 +10,8 @@ import zmq
 
 from engine_core.engine_core import EngineCore
 from engine_core.worker_group import WorkerGroup
-from launch.process import make_runtime_dir
-from launch.recorded_run import Print, RecordedRun, readable, unified_diff
+from common.process import make_runtime_dir
+from replay.recorded_run import Print, RecordedRun, readable, unified_diff
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 
 
