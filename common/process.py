@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("deltaserve")
 # Liveness of peers (a child process, the engine core, the workers) is checked at least this
@@ -22,20 +23,21 @@ def make_runtime_dir() -> str:
     return tempfile.mkdtemp(prefix="deltaserve-")
 
 
-def spawn(module: str, args: list[str]) -> subprocess.Popen:
+def spawn(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m module args...` as a child that survives neither us nor a Ctrl-C of its own:
-    it ignores SIGINT (the parent orchestrates shutdown) and watches its parent."""
-    env = dict(os.environ, DELTASERVE_PARENT_PID=str(os.getpid()))
+    it ignores SIGINT (the parent orchestrates shutdown) and watches its parent. `env` adds to
+    our environment (secrets go there, never into argv, which every user can read)."""
+    env = dict(os.environ, **(env or {}), DELTASERVE_PARENT_PID=str(os.getpid()))
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
 
-def become_child(title: str) -> None:
+def become_child(title: str, on_orphaned: Callable[[], None] | None = None) -> None:
     """Process-start ritual of a spawned child: name, SIGINT policy, parent watch."""
     set_title(title)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.environ.get("DELTASERVE_PARENT_PID")
     if parent:
-        watch_parent(int(parent))
+        watch_parent(int(parent), on_orphaned)
 
 
 def set_title(title: str) -> None:
@@ -46,15 +48,24 @@ def set_title(title: str) -> None:
         pass
 
 
-def watch_parent(parent_pid: int, interval_s: float = 0.2) -> None:
-    """Exit (without cleanup) as soon as the parent is gone: no orphans."""
+def watch_parent(parent_pid: int, on_orphaned: Callable[[], None] | None = None,
+                 interval_s: float = 0.1) -> None:
+    """Exit as soon as the parent is gone (no orphans), after `on_orphaned` (quick cleanup:
+    what the parent can no longer do, e.g. removing its runtime directory)."""
+    def leave() -> None:
+        try:
+            if on_orphaned is not None:
+                on_orphaned()
+        finally:
+            os._exit(1)
+
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
-                os._exit(1)
+                leave()
             time.sleep(interval_s)
     if os.getppid() != parent_pid:
-        os._exit(1)
+        leave()
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 

@@ -30,9 +30,11 @@ class PipelinedExecutor(ModelExecutor, Protocol):
 class EngineCore:
     """Adds and aborts requests and runs steps: schedule, execute, update."""
 
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor,
+                 max_logprobs: int = 20) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.max_logprobs = max_logprobs
         self.batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         # Two at most: the scheduler reuses a finished request's handle on the assumption
         # that at most one step is in flight while it schedules (see Scheduler.schedule).
@@ -52,13 +54,17 @@ class EngineCore:
                             async_scheduling=config.async_scheduling),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
             vocab_size)
-        return EngineCore(scheduler, executor)
+        return EngineCore(scheduler, executor, config.max_logprobs)
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.arrival_time, message.priority, message.eos_token_id)
         try:
+            logprobs = message.sampling_params.logprobs
+            if logprobs is not None and logprobs > self.max_logprobs:
+                raise ValueError(f"logprobs must be at most {self.max_logprobs} (the engine's "
+                                 f"max_logprobs), got {logprobs}")
             self.scheduler.add_request(request)
         except ValueError as e:
             return [EngineCoreOutput(message.request_id, [], "error", error=str(e))]
@@ -81,6 +87,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """One synchronous step (schedule, execute, update) and the step message it ran: the
+        seam unit tests, tools and benchmarks drive (vLLM's `EngineCore.step`). The process
+        loop calls `step_with_batch_queue`, which with a queue of one does the same."""
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
         return scheduler_output, self.scheduler.update_from_output(scheduler_output,

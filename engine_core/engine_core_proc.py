@@ -3,19 +3,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
+import time
 import traceback
 
 import msgspec
 import zmq
 
-from engine_core.engine_core import EngineCore
-from engine_core.worker_group import WorkerFailure, WorkerGroup
-from protocol.journal_header import open_journal
 from common.process import POLL_MS, become_child, configure_logging
+from engine_core.engine_core import EngineCore
+from engine_core.worker_failure import WorkerFailure
+from engine_core.worker_group import WorkerGroup
 from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
-                      EngineCoreOutputs, EngineFailed, EngineReady, ShutdownEngine)
+                      EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError,
+                      ShutdownEngine)
+from protocol.journal_header import open_journal
+from protocol.request_salvage import readable_request_ids
 
 logger = logging.getLogger("deltaserve")
+# One generate call is one frame; the front-end refuses to send a bigger one. This bounds
+# what the input socket can make us buffer.
+MAX_FRONTEND_FRAME = 1 << 30
+HEARTBEAT_S = 1.0  # while busy, the front-end hears from us at least this often
 
 
 class EngineCoreProc:
@@ -27,9 +36,10 @@ class EngineCoreProc:
                  runtime_dir: str) -> None:
         self.config = config
         self.context = zmq.Context()
-        self.input = self.context.socket(zmq.PULL)
+        self.input = self.context.socket(zmq.PAIR)
+        self.input.setsockopt(zmq.MAXMSGSIZE, MAX_FRONTEND_FRAME)
         self.input.connect(input_address)
-        self.output = self.context.socket(zmq.PUSH)
+        self.output = self.context.socket(zmq.PAIR)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_address)
         self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
@@ -37,6 +47,8 @@ class EngineCoreProc:
         self.workers = WorkerGroup(config, self.context, runtime_dir,
                                    self.journal.record if self.journal else None)
         self.engine: EngineCore | None = None
+        self.last_sent = time.monotonic()
+        self.refused: list[EngineCoreOutput] = []  # answers to frames we could not decode
 
     def run(self) -> int:
         try:
@@ -81,14 +93,16 @@ class EngineCoreProc:
                     engine.finish_in_flight()
                     return
                 outputs += engine.handle(message)
+            outputs += self.refused
+            self.refused = []
             if engine.has_work():
                 outputs += engine.step_with_batch_queue()
             else:
-                self.workers.check_alive()
+                self.workers.poll_idle()
                 if was_busy:  # audit the block pool whenever the engine goes idle
                     engine.scheduler.check_integrity()
             was_busy = busy
-            if outputs:
+            if outputs or (busy and time.monotonic() - self.last_sent > HEARTBEAT_S):
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
 
@@ -97,9 +111,20 @@ class EngineCoreProc:
         if self.journal is not None:
             self.journal.record(Channel.CORE_TO_FRONTEND, frame, self._step())
         self.output.send(frame, copy=False)
+        self.last_sent = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
-        return self.decoder.receive_all(self.input, timeout_ms, self._record_input)
+        return self.decoder.receive_all(self.input, timeout_ms, self._record_input,
+                                        self._refuse)
+
+    def _refuse(self, frame: bytes, error: ProtocolError) -> None:
+        """An undecodable frame: every request id we can still read gets an error answer."""
+        ids = readable_request_ids(frame)
+        self.decoder.dropped.warn(f"dropped a frame ({len(ids)} request ids answered with an "
+                                  f"error): {error}")
+        self.refused += [EngineCoreOutput(request_id, [], "error", error=f"the engine core "
+                                          f"could not decode the request: {error}")
+                         for request_id in ids]
 
     def _record_input(self, frame: bytes) -> None:
         if self.journal is not None:
@@ -116,7 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="engine core -> front-end address")
     parser.add_argument("--runtime-dir", required=True)
     args = parser.parse_args(argv)
-    become_child("deltaserve::engine_core")
-    configure_logging()
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    return EngineCoreProc(config, args.input, args.output, args.runtime_dir).run()
+    holder: list[EngineCoreProc] = []
+
+    def orphaned() -> None:  # the front-end is gone: do what it no longer can
+        if holder:
+            holder[0].workers.kill_local()
+        shutil.rmtree(args.runtime_dir, ignore_errors=True)
+
+    become_child("deltaserve::engine_core", orphaned)
+    configure_logging()
+    holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    return holder[0].run()

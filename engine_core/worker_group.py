@@ -1,8 +1,10 @@
 """The engine core's side of its workers: start, greet, broadcast steps, collect rank 0's answer."""
 from __future__ import annotations
 
+import errno
 import logging
-import subprocess
+import os
+import socket as pysocket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -11,26 +13,23 @@ from urllib.parse import urlparse
 
 import zmq
 
-from common.process import POLL_MS, describe_exit, free_port, spawn, stop_processes
+from common.log_limiter import LogLimiter
+from common.process import POLL_MS, free_port, spawn, stop_processes
+from common.worker_auth import (SECRET_ENV, new_secret, proof_is_valid, read_secret_file,
+                                secure_server)
+from engine_core.worker_failure import LocalWorker, WorkerFailure
 from protocol import (Channel, Codec, EngineConfig, ModelRunnerOutput, ProtocolError,
-                      SchedulerOutput, WorkerError, WorkerHello, WorkerInit, WorkerReady,
-                      WorkerShutdown)
+                      SchedulerOutput, WorkerError, WorkerHello, WorkerInit, WorkerPing,
+                      WorkerReady, WorkerShutdown)
 
 logger = logging.getLogger("deltaserve")
 
 # Called with every frame crossing the worker socket: (channel, frame, step, peer rank).
 FrameTap = Callable[[Channel, bytes, int, int], None]
-ALL_RANKS, UNKNOWN_RANK = 254, 255  # peer values of a broadcast and of an unnamed worker
-
-
-class WorkerFailure(RuntimeError):
-    """A worker failed or died; `process` names it (e.g. "worker_1"). `reported` marks a
-    failure the worker described itself (a WorkerError)."""
-
-    def __init__(self, process: str, message: str, reported: bool = False) -> None:
-        super().__init__(message)
-        self.process = process
-        self.reported = reported
+ALL_RANKS, UNKNOWN_RANK = 254, 255  # peer values of a broadcast and of an unnamed peer
+# The largest frame a worker sends (a step's tokens and logprobs, or an error report) is well
+# under this; anything bigger is refused by ZeroMQ before it is buffered.
+MAX_WORKER_FRAME = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,42 +44,49 @@ class WorkerGroup:
     """Implements `ModelExecutor` over a ROUTER socket; each worker is a DEALER.
 
     Every step message is encoded once and sent to every rank, in step order, over ordered
-    connections, so each worker sees each step exactly once. Only rank 0 answers.
+    connections, so each worker sees each step exactly once. Only rank 0 answers. Only peers
+    that proved they hold the engine's worker secret are believed; frames from anyone else are
+    logged and dropped, and their comings and goings are not worker deaths.
     """
 
     def __init__(self, config: EngineConfig, context: zmq.Context, runtime_dir: str,
                  tap: FrameTap | None = None) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
+        self.runtime_dir = runtime_dir
+        self.secret = (read_secret_file(config.worker_secret_file)
+                       if config.worker_secret_file else new_secret())
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.LINGER, 0)
-        if config.worker_address:
-            self.socket.bind(config.worker_address)
-        else:
-            self.socket.bind(f"ipc://{runtime_dir}/workers")
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_FRAME)
+        self.auth = secure_server(self.socket, self.secret) if config.worker_address else None
+        self.socket.bind(config.worker_address or f"ipc://{runtime_dir}/workers")
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.peers: dict[int, bytes] = {}  # rank -> socket identity
+        self.local: dict[int, LocalWorker] = {}
+        self.peers: dict[int, bytes] = {}  # rank -> socket identity, once authenticated
         self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
+        self.ping = bytes(self.encoder.encode(WorkerPing()))
         self.tap = tap
         self.submitted_step = 0  # the newest step submitted
-        self.in_flight: deque[int] = deque()  # steps submitted and not yet collected
+        self.in_flight: deque[tuple[int, float]] = deque()  # (step, sent at), not collected
         self.held: deque[tuple[object, bytes]] = deque()  # read while looking for reports
         self.started = False  # every rank has reported WorkerReady
+        self.strangers = LogLimiter(logger, "worker socket")
 
     # --- start-up ---------------------------------------------------------------------------
 
     def start(self) -> WorkerCapacity:
+        all_local = len(self.config.spawned_ranks) == self.world_size
+        env = {SECRET_ENV: self.secret, **({"GLOO_SOCKET_IFNAME": "lo"} if all_local else {})}
         for rank in self.config.spawned_ranks:
-            self.procs[rank] = spawn("worker", ["--connect", self.address, "--rank", str(rank)])
-        host = urlparse(self.address).hostname if self.address.startswith("tcp") else None
-        dist_host = "127.0.0.1" if host in (None, "0.0.0.0", "*") else host
-        init = WorkerInit(self.config, f"tcp://{dist_host}:{free_port(dist_host)}")
+            proc = spawn("worker", ["--connect", self.address, "--rank", str(rank)], env)
+            self.local[rank] = LocalWorker(rank, proc)
+        init = WorkerInit(self.config, self._rendezvous(all_local))
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(ready) < self.world_size:
@@ -92,20 +98,35 @@ class WorkerGroup:
             message, identity = self._receive(POLL_MS)
             if isinstance(message, WorkerHello):
                 self._greet(message, identity, init)
-            elif isinstance(message, WorkerReady):
+            elif isinstance(message, WorkerReady) and self.peers.get(message.rank) == identity:
                 ready[message.rank] = message
             elif isinstance(message, WorkerError):
-                raise self._blame(self._failure_of(message))
+                raise self._blame(self._failure_of(message, identity))
         self.started = True
         logger.info("workers ready: %s", ", ".join(
             f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend})"
             for r, m in sorted(ready.items())))
         return WorkerCapacity(min(m.num_blocks for m in ready.values()),
-                            min(m.max_model_len for m in ready.values()),
-                            min(m.vocab_size for m in ready.values()),
-                            ready[0].attention_backend)
+                              min(m.max_model_len for m in ready.values()),
+                              min(m.vocab_size for m in ready.values()),
+                              ready[0].attention_backend)
+
+    def _rendezvous(self, all_local: bool) -> str:
+        """Where the ranks' torch.distributed group meets: a file in the private runtime
+        directory when every rank is local (nothing listens on the network), else a TCP store
+        on the host the workers reach us on."""
+        if all_local:
+            return f"file://{self.runtime_dir}/rendezvous"
+        host = urlparse(self.address).hostname or ""
+        if host in ("", "0.0.0.0", "*", "::"):
+            host = pysocket.gethostbyname(pysocket.gethostname())
+        return f"tcp://{host}:{free_port(host)}"
 
     def _greet(self, hello: WorkerHello, identity: bytes, init: WorkerInit) -> None:
+        if not proof_is_valid(self.secret, hello.proof, hello.rank, hello.pid, identity):
+            self.strangers.warn(f"ignored a hello without a valid proof (claims rank "
+                                f"{hello.rank}, pid {hello.pid}, host {hello.hostname!r})")
+            return
         if not 0 <= hello.rank < self.world_size or hello.rank in self.peers:
             logger.error("refusing worker with rank %d (pid %d, %s): already present or "
                          "outside world size %d", hello.rank, hello.pid, hello.hostname,
@@ -136,11 +157,13 @@ class WorkerGroup:
             self.tap(Channel.CORE_TO_WORKER, frame, step, ALL_RANKS)
         for rank in range(self.world_size):
             self._send(self.peers[rank], frame, tap=False)
-        self.in_flight.append(step)
+        self.in_flight.append((step, time.monotonic()))
 
     def collect(self) -> ModelRunnerOutput:
-        """Rank 0's answer to the oldest step submitted and not yet collected."""
-        step = self.in_flight.popleft()
+        """Rank 0's answer to the oldest step submitted and not yet collected. A step with no
+        answer for `step_timeout_s` means a hung worker."""
+        step, sent = self.in_flight.popleft()
+        deadline = sent + self.config.step_timeout_s
         while True:
             message, identity = self._receive(POLL_MS)
             if isinstance(message, ModelRunnerOutput) and identity == self.peers[0]:
@@ -149,31 +172,51 @@ class WorkerGroup:
                                                     f"{step}")
                 return message
             if isinstance(message, WorkerError):
-                raise self._blame(self._failure_of(message))
+                raise self._blame(self._failure_of(message, identity))
+            if message is None and time.monotonic() > deadline:
+                raise self._blame(self._stall(step))
+
+    def _stall(self, step: int) -> WorkerFailure:
+        states = ", ".join(f"{w.name}: {w.state()}" for w in self.local.values())
+        return WorkerFailure("worker_0", f"step {step} made no progress for "
+                                         f"{self.config.step_timeout_s:g} s; worker_0 owes "
+                                         f"the answer ({states or 'no local workers'})")
+
+    def poll_idle(self) -> None:
+        """While no step is in flight: read whatever peers sent (a stranger's flood must not
+        pile up in buffers), and raise if a worker failed, died or hangs."""
+        while True:
+            message, identity = self._receive(0)
+            if message is None:
+                return
+            if isinstance(message, WorkerError):
+                raise self._blame(self._failure_of(message, identity))
+            if isinstance(message, WorkerHello):
+                self._greet(message, identity, WorkerInit(self.config))  # refused: present
+            else:
+                logger.warning("a worker sent %s while idle; ignored", type(message).__name__)
 
     def check_alive(self) -> None:
-        """Raise a WorkerFailure if a local worker has exited, with its own report if queued."""
+        """Raise a WorkerFailure if a local worker has exited or is stopped, with its own
+        report if one is queued."""
         dead = self._dead_worker()
         if dead is not None:
             raise self._blame(dead)
 
     def _dead_worker(self) -> WorkerFailure | None:
-        for rank, proc in self.procs.items():
-            if proc.poll() is not None:
-                return WorkerFailure(f"worker_{rank}", f"worker_{rank} (pid {proc.pid}) "
-                                                       f"{describe_exit(proc.returncode)}")
-        return None
+        return next((f for f in (w.failure() for w in self.local.values()) if f), None)
 
-    def _failure_of(self, error: WorkerError) -> WorkerFailure:
+    def _failure_of(self, error: WorkerError, identity: bytes | None) -> WorkerFailure:
+        rank = self._rank_of(identity) if identity is not None else error.rank
         when = f"at step {error.step}" if self.started else "to start"
-        return WorkerFailure(f"worker_{error.rank}",
-                             f"worker_{error.rank} failed {when}: {error.message}", True)
+        return WorkerFailure(f"worker_{rank}", f"worker_{rank} failed {when}: {error.message}",
+                             True)
 
     def _blame(self, symptom: WorkerFailure, grace_s: float = 0.3) -> WorkerFailure:
         """A failure often surfaces first as a symptom: a socket disconnect, a process exit,
         or a collective failing on a survivor. Blame a local process that turns out to be
-        dead, in its own words if it sent a WorkerError; else the first report; else the
-        symptom."""
+        dead or stopped, in its own words if it sent a WorkerError; else the first report;
+        else the symptom."""
         reports = {symptom.process: symptom} if symptom.reported else {}
         deadline = time.monotonic() + grace_s
         while True:
@@ -191,21 +234,26 @@ class WorkerGroup:
         while self.socket.poll(timeout_ms, zmq.POLLIN):
             message, identity = self._read_frame()
             if isinstance(message, WorkerError):
-                failure = self._failure_of(message)
+                failure = self._failure_of(message, identity)
                 reports.setdefault(failure.process, failure)
             elif message is not None:
                 self.held.append((message, identity))
 
     def _on_disconnect(self) -> None:
-        """Raise if a worker is gone. When every rank is a local process that is alive and
-        none reported an error, the peer that left was not a worker (a stray connection):
-        log it and carry on. With remote ranks a disconnect is all we see, so it is fatal."""
-        symptom = WorkerFailure("worker", f"a worker disconnected from {self.address}")
-        failure = self._blame(symptom)
-        if failure is not symptom or len(self.procs) < self.world_size:
-            raise failure
-        logger.warning("a peer that is not a worker disconnected from %s; all %d workers are "
-                       "alive", self.address, self.world_size)
+        """Some peer left. Raise if it was a worker: a worker that is gone is no longer
+        routable (ROUTER_MANDATORY refuses a ping to it); anyone else is a stranger."""
+        gone = [rank for rank, identity in self.peers.items() if not self._reachable(identity)]
+        if gone:
+            name = f"worker_{gone[0]}"
+            raise self._blame(WorkerFailure(name, f"{name} disconnected from {self.address}"))
+        self.strangers.info(f"a peer that is not a worker disconnected from {self.address}")
+
+    def _reachable(self, identity: bytes) -> bool:
+        try:
+            self.socket.send_multipart([identity, self.ping], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            return e.errno != errno.EHOSTUNREACH
+        return True
 
     def shutdown(self) -> None:
         for identity in self.peers.values():
@@ -213,13 +261,23 @@ class WorkerGroup:
                 self._send(identity, self.encoder.encode(WorkerShutdown()))
             except WorkerFailure:
                 pass  # already gone
-        stop_processes(list(self.procs.values()))
+        stop_processes([w.proc for w in self.local.values()])
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+
+    def kill_local(self) -> None:
+        """Last resort (the engine core's parent is gone): SIGKILL local workers at once."""
+        for worker in self.local.values():
+            try:
+                os.kill(worker.proc.pid, 9)
+            except OSError:
+                pass
 
     # --- the one seam every worker frame passes -----------------------------------------------
 
-    def _rank_of(self, identity: bytes) -> int:
+    def _rank_of(self, identity: bytes | None) -> int:
         return next((r for r, i in self.peers.items() if i == identity), UNKNOWN_RANK)
 
     def _send(self, identity: bytes, frame: bytes | bytearray, tap: bool = True) -> None:
@@ -231,9 +289,10 @@ class WorkerGroup:
             raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
 
     def _receive(self, timeout_ms: int) -> tuple[object | None, bytes | None]:
-        """One decoded message and its sender, or (None, None) after the timeout. Liveness is
-        checked whenever no frame is queued: a worker's last WorkerError is read before the
-        disconnect and the exit that follow it."""
+        """One decoded message from an authenticated worker (or a hello from anyone) and its
+        sender, or (None, None) after the timeout. Liveness is checked whenever no frame is
+        queued: a worker's last WorkerError is read before the disconnect and the exit that
+        follow it."""
         if self.held:
             return self.held.popleft()
         events = dict(self.poller.poll(timeout_ms))
@@ -241,18 +300,28 @@ class WorkerGroup:
             return self._read_frame()
         if self.monitor in events:
             self.monitor.recv_multipart()
-            if self.peers:
-                self._on_disconnect()
+            self._on_disconnect()
         self.check_alive()
         return None, None
 
     def _read_frame(self) -> tuple[object | None, bytes | None]:
-        """Malformed frames are logged and dropped."""
-        identity, frame = self.socket.recv_multipart()
-        if self.tap is not None:
-            self.tap(Channel.WORKER_TO_CORE, frame, self.submitted_step, self._rank_of(identity))
-        try:
-            return self.decoder.decode(frame), identity
-        except ProtocolError as e:
-            logger.warning("dropped a frame from a worker: %s", e)
+        """Malformed frames, and anything but a hello from a peer that has not proved itself,
+        are logged and dropped."""
+        parts = self.socket.recv_multipart(copy=True)
+        if len(parts) != 2:
+            self.strangers.warn(f"dropped a {len(parts)}-part message (a worker sends one part)")
             return None, None
+        identity, frame = parts
+        rank = self._rank_of(identity)
+        if self.tap is not None:
+            self.tap(Channel.WORKER_TO_CORE, frame, self.submitted_step, rank)
+        try:
+            message = self.decoder.decode(frame)
+        except ProtocolError as e:
+            self.strangers.warn(f"dropped a frame: {e}")
+            return None, None
+        if rank == UNKNOWN_RANK and not isinstance(message, WorkerHello):
+            self.strangers.warn(f"ignored a {type(message).__name__} from a peer that is not "
+                                "an authenticated worker")
+            return None, None
+        return message, identity

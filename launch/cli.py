@@ -94,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     worker = sub.add_parser("worker", help="run one worker rank and join an engine")
     worker.add_argument("--connect", required=True)
     worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--worker-secret-file",
+                        help="the engine's worker secret (default: $DELTASERVE_WORKER_SECRET)")
     _replay_parser(sub)
     _journal_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         from worker.worker_proc import main as worker_main
-        return worker_main(["--connect", args.connect, "--rank", str(args.rank)])
+        secret = ["--worker-secret-file", args.worker_secret_file] if args.worker_secret_file \
+            else []
+        return worker_main(["--connect", args.connect, "--rank", str(args.rank), *secret])
     from launch.errors import EngineDeadError
     from protocol.journal import JournalError
     try:

@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import msgspec
+import psutil
 import zmq
 
 from launch.errors import EngineDeadError
@@ -14,10 +15,20 @@ from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, En
                       EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
                       SchedulerStats, ShutdownEngine)
 
+# The engine core's largest legal frame (a step's outputs with logprobs) is far below this.
+MAX_OUTPUT_FRAME = 64 << 20
+MAX_REQUEST_FRAME = 1 << 30  # the engine core refuses bigger input frames
+# While requests are pending, the engine core reports at least every second (a heartbeat)
+# and each step it runs is bounded by step_timeout_s; silence beyond both is a hang.
+SILENCE_MARGIN_S = 10.0
+
 
 class EngineClient:
-    """Binds two ipc sockets in a fresh private runtime directory (PUSH requests, PULL outputs)
-    and starts `python -m engine_core`; `wait_ready()` waits for its `EngineReady`.
+    """Binds two ipc sockets in a fresh private (0700) runtime directory, one for requests and
+    one for outputs, and starts `python -m engine_core`, which connects to both; `wait_ready()`
+    waits for its `EngineReady`. Both are PAIR sockets: each holds exactly one peer, and
+    ZeroMQ drops any later connection, so no other process can inject frames into, flood or
+    steal from the link once the engine core is attached.
 
     Once the engine is dead (it reported a failure, or its process exited), every call raises
     `EngineDeadError` naming the process that died.
@@ -27,11 +38,12 @@ class EngineClient:
         self.config = config
         self.runtime_dir = make_runtime_dir()
         self.context = zmq.Context()
-        self.input = self.context.socket(zmq.PUSH)
+        self.input = self.context.socket(zmq.PAIR)
         self.input.setsockopt(zmq.LINGER, 0)
         self.input.bind(f"ipc://{self.runtime_dir}/input")
-        self.output = self.context.socket(zmq.PULL)
+        self.output = self.context.socket(zmq.PAIR)
         self.output.setsockopt(zmq.LINGER, 0)
+        self.output.setsockopt(zmq.MAXMSGSIZE, MAX_OUTPUT_FRAME)
         self.output.bind(f"ipc://{self.runtime_dir}/output")
         self.encoder = Codec(Channel.FRONTEND_TO_CORE)
         self.decoder = Codec(Channel.CORE_TO_FRONTEND)
@@ -43,6 +55,8 @@ class EngineClient:
             "--input", f"ipc://{self.runtime_dir}/input",
             "--output", f"ipc://{self.runtime_dir}/output", "--runtime-dir", self.runtime_dir])
         self.ready: EngineReady | None = None
+        self.pending: set[str] = set()  # request ids sent and not yet finished
+        self.last_heard = time.monotonic()
 
     def wait_ready(self) -> EngineReady:
         """Block until the engine reports ready; on failure, stop everything and raise."""
@@ -62,7 +76,16 @@ class EngineClient:
 
     def add_requests(self, requests: list[AddRequest]) -> None:
         """One frame for all of them: the engine sees the whole batch before its next step."""
-        self._send(AddRequests(requests) if len(requests) != 1 else requests[0])
+        message = AddRequests(requests) if len(requests) != 1 else requests[0]
+        frame = self.encoder.encode(message)
+        if len(frame) > MAX_REQUEST_FRAME:
+            raise ValueError(f"{len(requests)} requests make a {len(frame) >> 20} MiB frame, "
+                             f"over the engine's {MAX_REQUEST_FRAME >> 20} MiB: send fewer at "
+                             "a time")
+        if not self.pending:
+            self.last_heard = time.monotonic()
+        self._send_frame(frame)
+        self.pending.update(r.request_id for r in requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
@@ -77,11 +100,17 @@ class EngineClient:
                 self.last_step = message.step
                 if message.stats is not None:
                     self.stats = message.stats
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.pending.discard(out.request_id)
         return outputs
 
     def _send(self, message: msgspec.Struct) -> None:
+        self._send_frame(self.encoder.encode(message))
+
+    def _send_frame(self, frame: bytes | bytearray) -> None:
         self._check_alive()
-        self.input.send(self.encoder.encode(message), copy=False)
+        self.input.send(frame, copy=False)
 
     def _receive(self, timeout_ms: int) -> list[object]:
         """Every message waiting (waiting up to timeout_ms for the first). Raises
@@ -91,15 +120,37 @@ class EngineClient:
         for message in messages:
             if isinstance(message, EngineFailed):
                 self._die(message.message, message.process)
-        if not messages:
+        if messages:
+            self.last_heard = time.monotonic()
+        else:
             self._check_alive()
+            self._check_progress()
         return messages
 
     def _check_alive(self) -> None:
+        """Raise EngineDeadError if the engine core is gone or stopped. A core that exited
+        after reporting a failure (e.g. a worker died between two calls) is blamed in its own
+        words: its EngineFailed is read before the exit is acted on."""
         if self.dead is not None:
             raise self.dead
-        if self.proc is not None and self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            for message in self.decoder.receive_all(self.output, 0):
+                if isinstance(message, EngineFailed):
+                    self._die(message.message, message.process)
             self._die(f"engine_core (pid {self.proc.pid}) {describe_exit(self.proc.returncode)}",
+                      "engine_core")
+        state = _state(self.proc.pid)
+        if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            self._die(f"engine_core (pid {self.proc.pid}) is {state} and cannot make progress",
+                      "engine_core")
+
+    def _check_progress(self) -> None:
+        silent = time.monotonic() - self.last_heard
+        if self.pending and silent > self.config.step_timeout_s + SILENCE_MARGIN_S:
+            self._die(f"engine_core (pid {self.proc.pid}) sent nothing for {silent:.0f} s with "
+                      f"{len(self.pending)} requests pending (state: {_state(self.proc.pid)})",
                       "engine_core")
 
     def _die(self, message: str, process: str) -> None:
@@ -126,3 +177,10 @@ class EngineClient:
         self.output.close(linger=0)
         self.context.term()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def _state(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"

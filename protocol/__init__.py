@@ -11,7 +11,7 @@ from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput, TokenCounts
 from protocol.worker_messages import (CoreToWorker, WorkerError, WorkerHello, WorkerInit,
-                                      WorkerReady, WorkerShutdown, WorkerToCore)
+                                      WorkerPing, WorkerReady, WorkerShutdown, WorkerToCore)
 
 __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",
@@ -20,5 +20,5 @@ __all__ = [
     "FrontendToCore", "SchedulerStats", "ShutdownEngine", "IntColumn", "ModelRunnerOutput",
     "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
     "SchedulerOutput", "TokenCounts", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
-    "WorkerReady", "WorkerShutdown", "WorkerToCore",
+    "WorkerPing", "WorkerReady", "WorkerShutdown", "WorkerToCore",
 ]

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from common.log_limiter import LogLimiter
+
 from protocol.engine_messages import CoreToFrontend, FrontendToCore
 from protocol.int_column import IntColumn
 from protocol.scheduler_output import TokenCounts
@@ -83,6 +85,7 @@ class Codec:
         self.channel = channel
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._decoder = msgspec.msgpack.Decoder(_MESSAGE_TYPES[channel], dec_hook=_dec_hook)
+        self.dropped = LogLimiter(logger, channel.name)
 
     def encode(self, message: msgspec.Struct) -> bytearray:
         frame = bytearray(HEADER)
@@ -104,10 +107,12 @@ class Codec:
                                 f"({len(frame)} bytes): {e}") from None
 
     def receive_all(self, socket: zmq.Socket, timeout_ms: int,
-                    on_frame: Callable[[bytes], None] | None = None) -> list[Any]:
+                    on_frame: Callable[[bytes], None] | None = None,
+                    on_error: Callable[[bytes, ProtocolError], None] | None = None,
+                    ) -> list[Any]:
         """Every message waiting on `socket`, waiting up to timeout_ms for the first. Each
-        frame goes to `on_frame` as received (the journal); malformed frames are logged and
-        dropped, so a bad peer never stops the caller."""
+        frame goes to `on_frame` as received (the journal); malformed frames go to `on_error`,
+        else are logged and dropped, so a bad peer never stops the caller."""
         messages: list[Any] = []
         if not socket.poll(timeout_ms):
             return messages
@@ -121,4 +126,7 @@ class Codec:
             try:
                 messages.append(self.decode(frame))
             except ProtocolError as e:
-                logger.warning("dropped a frame: %s", e)
+                if on_error is not None:
+                    on_error(frame, e)
+                else:
+                    self.dropped.warn(f"dropped a frame: {e}")

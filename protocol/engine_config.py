@@ -54,7 +54,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "`deltaserve worker`")] = None
     record_path: Annotated[str | None, _opt(
         "write a message journal of the run to this path", flag="--record")] = None
+    worker_secret_file: Annotated[str | None, _opt(
+        "file holding the secret workers prove themselves with; required with a tcp "
+        "worker address (workers on other hosts read the same file)")] = None
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
+    step_timeout_s: Annotated[float, _opt(
+        "a step that makes no progress for this long ends the engine")] = 60.0
 
     def __post_init__(self) -> None:
         for field in msgspec.structs.fields(self):
@@ -76,6 +81,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("long_prefill_token_threshold must be non-negative")
         if self.worker_address is not None and not self.worker_address.startswith("tcp://"):
             raise ValueError(f"worker_address must be tcp://HOST:PORT, got {self.worker_address!r}")
+        if self.worker_address is not None and self.worker_secret_file is None:
+            raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
+                             "network must prove they belong to this engine")
+        for name in ("startup_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "

@@ -27,12 +27,20 @@ class WorkerShutdown(WireStruct, tag=31):
     pass
 
 
+class WorkerPing(WireStruct, tag=32):
+    """Ignored by workers: sent only to learn whether a worker is still connected."""
+
+
 # --- worker -> engine core ----------------------------------------------------------------
 
 class WorkerHello(WireStruct, tag=40):
+    """`proof` is an HMAC of rank, pid and the worker's socket identity under the engine's
+    worker secret (common.worker_auth): hellos without a valid one are ignored."""
+
     rank: int
     pid: int
     hostname: str = ""
+    proof: bytes = b""
 
 
 class WorkerReady(WireStruct, tag=41):
@@ -52,5 +60,5 @@ class WorkerError(WireStruct, tag=42):
     step: int = 0
 
 
-CoreToWorker = SchedulerOutput | WorkerInit | WorkerShutdown
+CoreToWorker = SchedulerOutput | WorkerInit | WorkerShutdown | WorkerPing
 WorkerToCore = ModelRunnerOutput | WorkerHello | WorkerReady | WorkerError

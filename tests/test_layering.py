@@ -1,6 +1,6 @@
 """Imports run one way: `launch` and `replay` may use everything below them; `engine_core` and
-`worker` use `protocol` and `common` but never `launch`, `replay` or each other; `protocol` and
-`common` use nothing of the project's (and `protocol` no torch)."""
+`worker` use `protocol` and `common` but never `launch`, `replay` or each other; `protocol`
+uses only `common`, and `common` nothing of the project's."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "protocol", "engine_core", "worker", "launch", "replay")
 ALLOWED = {
     "common": set(),
-    "protocol": set(),
+    "protocol": {"common"},
     "engine_core": {"protocol", "common"},
     "worker": {"protocol", "common"},
     "launch": {"protocol", "common", "engine_core", "worker", "replay"},

@@ -20,7 +20,9 @@ from engine_utils import engine_pids, titles, wait_gone
 from launch import LLM, EngineDeadError, SamplingParams
 from common.process import free_port
 from model_utils import make_tiny_model
-from engine_core.worker_group import WorkerFailure, WorkerGroup
+from common.worker_auth import hello_proof, new_secret, secure_client
+from engine_core.worker_failure import WorkerFailure
+from engine_core.worker_group import WorkerGroup
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 
 pytestmark = pytest.mark.slow  # real engine processes
@@ -195,13 +197,16 @@ def test_process_titles(tiny):
     assert sorted(names[1:]) == ["deltaserve::worker_0", "deltaserve::worker_1"]
 
 
-def test_remote_worker_joins_over_tcp(tiny):
+def test_remote_worker_joins_over_tcp(tiny, tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
+    secret = tmp_path / "secret"
+    secret.write_text(new_secret())
     worker = subprocess.Popen([sys.executable, "-m", "launch", "worker", "--connect", address,
-                               "--rank", "1"])
+                               "--rank", "1", "--worker-secret-file", str(secret)])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        with _llm(tiny, tensor_parallel_size=2, worker_address=address, local_ranks=[0]) as llm:
+        with _llm(tiny, tensor_parallel_size=2, worker_address=address, local_ranks=[0],
+                  worker_secret_file=str(secret)) as llm:
             assert llm.engine.ready.world_size == 2
             remote = llm.generate("def add", params, use_tqdm=False)[0].outputs[0].token_ids
         assert worker.wait(timeout=10) == 0  # told to shut down with the engine
@@ -216,14 +221,19 @@ def test_a_workers_last_report_wins_over_its_disconnect(tmp_path):
     """A remote rank says hello, reports its failure and is gone before the engine core reads
     anything: the error it sent, not the disconnect or the failed reply, is what is raised."""
     address = f"tcp://127.0.0.1:{free_port()}"
+    secret = tmp_path / "secret"
+    secret.write_text(new_secret())
     config = EngineConfig(model=str(tmp_path), worker_address=address, local_ranks=[],
-                          startup_timeout_s=10)
+                          startup_timeout_s=10, worker_secret_file=str(secret))
     context = zmq.Context()
     group = WorkerGroup(config, context, str(tmp_path))
     worker = context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"remote-0")
+    secure_client(worker, secret.read_text())
     worker.connect(address)
     codec = Codec(Channel.WORKER_TO_CORE)
-    worker.send(codec.encode(WorkerHello(0, os.getpid(), "remote")))
+    proof = hello_proof(secret.read_text(), 0, os.getpid(), b"remote-0")
+    worker.send(codec.encode(WorkerHello(0, os.getpid(), "remote", proof)))
     worker.send(codec.encode(WorkerError(0, "OSError: disk on fire", 0)))
     worker.close(linger=1000)
     time.sleep(0.3)  # hello, report and disconnect are all queued

@@ -1,10 +1,13 @@
 """A real worker process, driven through its socket by the test in the engine core's place."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+
+from common.worker_auth import SECRET_ENV
 import zmq
 
 from common.process import make_runtime_dir
@@ -46,7 +49,7 @@ def worker(tmp_path):
     model = make_tiny_model(str(tmp_path / "m"), "llama")
     core = FakeEngineCore()
     proc = subprocess.Popen([sys.executable, "-m", "worker", "--connect", core.address,
-                             "--rank", "0"])
+                             "--rank", "0"], env=dict(os.environ, **{SECRET_ENV: "s" * 32}))
     hello = core.receive()
     assert isinstance(hello, WorkerHello) and hello.rank == 0 and hello.pid == proc.pid
     core.send(WorkerInit(EngineConfig(model=model, dtype="float32", max_model_len=64,

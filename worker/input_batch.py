@@ -11,6 +11,9 @@ from protocol.scheduler_output import NewRequestData, SchedulerOutput
 from worker.sampling_table import SamplingTable
 
 
+MAX_HANDLES = 1 << 20  # far above any live request count; bounds row_of_handle's size
+
+
 class StepProtocolError(RuntimeError):
     """A step message contradicts what this worker knows (a desync, never guessed around)."""
 
@@ -24,8 +27,14 @@ class InputBatch:
     """
 
     def __init__(self, max_model_len: int, block_size: int, device: torch.device,
-                 rows: int = 16) -> None:
+                 rows: int = 16, num_kv_blocks: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.block_size = block_size
+        # Bounds on what a step may name, so that no message can make this batch grow without
+        # limit or index out of range: block ids below num_kv_blocks, token ids in the
+        # vocabulary, handles below MAX_HANDLES.
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((rows, max_model_len + 1), np.int32)
@@ -69,8 +78,10 @@ class InputBatch:
 
     def rows_of(self, handles: IntColumn | list[int]) -> np.ndarray:
         handles = as_array(handles) if len(handles) else np.zeros(0, np.int64)
-        if len(handles) and int(handles.max()) >= len(self.row_of_handle):
-            raise StepProtocolError(f"unknown request handle {int(handles.max())}")
+        if len(handles) and (int(handles.max()) >= len(self.row_of_handle)
+                             or int(handles.min()) < 0):
+            bad = int(handles.max()) if int(handles.min()) >= 0 else int(handles.min())
+            raise StepProtocolError(f"unknown request handle {bad}")
         rows = self.row_of_handle[handles]
         if (rows < 0).any():
             raise StepProtocolError(f"unknown request handle {int(handles[rows < 0][0])}")
@@ -80,11 +91,17 @@ class InputBatch:
         return int(self.rows_of([handle])[0])
 
     def add_request(self, new: NewRequestData) -> None:
+        if not 0 <= new.req_id < MAX_HANDLES:
+            raise StepProtocolError(f"request handle {new.req_id} is outside [0, {MAX_HANDLES})")
         if new.req_id < len(self.row_of_handle) and self.row_of_handle[new.req_id] >= 0:
             raise StepProtocolError(f"new request handle {new.req_id} is already live")
         n = len(new.prompt_token_ids)
         if n >= self.token_ids.shape[1]:
             raise StepProtocolError(f"prompt of {n} tokens exceeds max_model_len")
+        if n and (min(new.prompt_token_ids) < 0 or self.vocab_size is not None
+                  and max(new.prompt_token_ids) >= self.vocab_size):
+            raise StepProtocolError(f"request {new.request_id!r} has token ids outside the "
+                                    f"vocabulary (size {self.vocab_size})")
         if not self._free_rows:
             self._grow()
         row = heapq.heappop(self._free_rows)
@@ -112,6 +129,10 @@ class InputBatch:
         start = int(self.num_blocks[row])
         if start + len(block_ids) > self.max_blocks:
             raise StepProtocolError(f"{start + len(block_ids)} blocks exceed max_model_len")
+        if block_ids and (min(block_ids) < 1 or self.num_kv_blocks is not None
+                          and max(block_ids) >= self.num_kv_blocks):
+            raise StepProtocolError(f"block ids {min(block_ids)}..{max(block_ids)} are outside "
+                                    f"the KV cache (blocks 1..{self.num_kv_blocks})")
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 

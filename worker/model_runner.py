@@ -50,7 +50,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.num_blocks, self.model_config.num_hidden_layers,
                                            self.block_size, self.num_kv_heads, self.head_dim,
                                            self.dtype, self.device)
-        self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device)
+        self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
+                                      num_kv_blocks=self.num_blocks,
+                                      vocab_size=self.model_config.vocab_size)
         self.sampler = Sampler(config.seed, self.device)
         self.last_step = 0
 

@@ -13,6 +13,8 @@ import torch
 import zmq
 
 from common.process import become_child, configure_logging, set_title
+from common.worker_auth import (SECRET_ENV, hello_proof, read_secret_file,
+                                secret_from_environment, secure_client)
 from protocol import (Channel, Codec, ModelRunnerOutput, ProtocolError, SchedulerOutput,
                       EngineConfig, WorkerError, WorkerHello, WorkerInit, WorkerReady,
                       WorkerShutdown)
@@ -20,6 +22,9 @@ from worker.model_runner import ModelRunner, resolve_device
 from worker.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("deltaserve")
+# The largest step message the engine core may send (every new request's whole prompt) is far
+# below this; a bigger frame is refused by ZeroMQ before it is buffered.
+MAX_STEP_FRAME = 512 << 20
 
 
 class WorkerProc:
@@ -29,12 +34,17 @@ class WorkerProc:
     process also exits when the engine core's connection drops (e.g. it was killed).
     """
 
-    def __init__(self, address: str, rank: int) -> None:
+    def __init__(self, address: str, rank: int, secret: str) -> None:
         self.rank = rank
+        self.secret = secret
+        self.identity = f"rank-{rank}-{os.getpid()}".encode()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"rank-{rank}-{os.getpid()}".encode())
+        self.socket.setsockopt(zmq.IDENTITY, self.identity)
         self.socket.setsockopt(zmq.LINGER, 2000)  # deliver a last WorkerError before exiting
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_STEP_FRAME)
+        if address.startswith("tcp://"):
+            secure_client(self.socket, secret)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.socket.connect(address)
         self.poller = zmq.Poller()
@@ -42,10 +52,13 @@ class WorkerProc:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.encoder, self.decoder = Codec(Channel.WORKER_TO_CORE), Codec(Channel.CORE_TO_WORKER)
         self.current_step = 0  # the step being run, for error reports
+        self.orphaned = False  # the engine core went away
 
     def run(self) -> int:
         try:
-            self._send(WorkerHello(self.rank, os.getpid(), socket.gethostname()))
+            pid = os.getpid()
+            self._send(WorkerHello(self.rank, pid, socket.gethostname(),
+                                   hello_proof(self.secret, self.rank, pid, self.identity)))
             init = self._receive()
             if not isinstance(init, WorkerInit):
                 return 0  # refused, or shut down before starting
@@ -77,10 +90,12 @@ class WorkerProc:
     def _serve(self, runner: ModelRunner) -> int:
         while True:
             message = self._receive()
-            if message is None or isinstance(message, WorkerShutdown):
+            if message is None:
+                return 0  # no collective teardown: the other ranks may be gone too
+            if isinstance(message, WorkerShutdown):
                 runner.tp.shutdown()
                 return 0
-            if isinstance(message, SchedulerOutput):
+            if isinstance(message, SchedulerOutput):  # (a WorkerPing needs nothing)
                 self.current_step = message.step
                 output: ModelRunnerOutput = runner.execute_model(message)
                 if self.rank == 0:
@@ -96,6 +111,7 @@ class WorkerProc:
             events = dict(self.poller.poll())
             if self.monitor in events:
                 logger.error("worker_%d: the engine core disconnected; exiting", self.rank)
+                self.orphaned = True
                 return None
             try:
                 return self.decoder.decode(self.socket.recv())
@@ -108,13 +124,24 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one worker rank and join an engine.")
     parser.add_argument("--connect", required=True, help="the engine core's worker address")
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--worker-secret-file",
+                        help=f"the engine's worker secret (default: ${SECRET_ENV})")
     args = parser.parse_args(argv)
+    secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
+              else secret_from_environment())
+    if secret is None:
+        parser.error(f"a worker needs the engine's secret: --worker-secret-file or ${SECRET_ENV}")
     if os.environ.get("DELTASERVE_PARENT_PID"):
         become_child(f"deltaserve::worker_{args.rank}")
     else:
         set_title(f"deltaserve::worker_{args.rank}")
     configure_logging()
-    return WorkerProc(args.connect, args.rank).run()
+    worker = WorkerProc(args.connect, args.rank, secret)
+    code = worker.run()
+    if worker.orphaned:  # skip interpreter teardown (torch's can take seconds): just go
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
