@@ -163,3 +163,39 @@ def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
         t.join()
     assert len(set(paths)) == 1 and paths[0].exists()
     assert [p.name for p in tmp_path.glob("*.so")] == [paths[0].name]
+
+
+E2E_MODELS = {  # name -> (architecture, config overrides)
+    "llama-d64-gqa": ("llama", {"hidden_size": 256, "num_attention_heads": 4,
+                                "num_key_value_heads": 2}),
+    "qwen3-d128-mqa": ("qwen3", {"hidden_size": 128, "num_attention_heads": 4,
+                                 "num_key_value_heads": 1, "head_dim": 128}),
+}
+_rng = random.Random(5)
+_SHARED = [_rng.randrange(1, 250) for _ in range(40)]
+WAVES = [  # the second wave runs after the first, so its shared prefix hits the cache
+    [_SHARED + [_rng.randrange(1, 250) for _ in range(n)] for n in (3, 30)]
+    + [[_rng.randrange(1, 250) for _ in range(n)] for n in (90, 1, 5)],
+    [_SHARED + [7, 8, 9], _SHARED[:33], _SHARED[:16] + [11]],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(E2E_MODELS))
+def test_engine_matches_hf_greedy(name, tmp_path):
+    """`LLM(attention_backend="cpu")`: chunked prefills (a 24-token budget chunks the 90- and
+    70-token prompts), decode and prefix-cache hits give Hugging Face's greedy tokens."""
+    from launch import LLM, SamplingParams
+    from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
+    arch, overrides = E2E_MODELS[name]
+    path = make_tiny_model(str(tmp_path / "model"), arch, tokenizer=True, **overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(path, dtype="float32", attention_backend="cpu", block_size=16,
+             max_num_batched_tokens=24, num_gpu_blocks_override=64, max_model_len=256) as llm:
+        assert llm.engine.ready.attention_backend == "cpu"
+        outs = [llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+                for wave in WAVES]
+    for wave, wave_outs in zip(WAVES, outs):
+        assert_greedy_matches([o.outputs[0].token_ids for o in wave_outs],
+                              hf_greedy(path, wave, 8))
+    assert min(o.num_cached_tokens for o in outs[1]) >= 16, "the second wave should hit"
