@@ -51,17 +51,13 @@ struct bf16 { uint16_t bits; };
 inline float to_float(float x) { return x; }
 inline float to_float(half_t x) { return static_cast<float>(x); }
 inline float to_float(bf16 x) {
-    uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16);
 }
 inline void from_float(float x, float* y) { *y = x; }
 inline void from_float(float x, half_t* y) { *y = static_cast<half_t>(x); }
 inline void from_float(float x, bf16* y) {  // round to nearest even; NaN stays NaN
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t u = __builtin_bit_cast(uint32_t, x);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     y->bits = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u
                                                                       : rounded);
 }
@@ -79,9 +75,7 @@ inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, 4);
+    const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
     return x < -87.0f ? 0.0f : p * two_n;
 }
 

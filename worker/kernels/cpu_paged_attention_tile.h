@@ -27,6 +27,9 @@ public:
         for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += block_) {
             const int n = std::min(block_, kv_end - t0);
             const int64_t base = static_cast<int64_t>(table[b]) * block_ * kv_row_ + head_offset;
+            if (t0 + block_ < kv_end)  // blocks are scattered: hide the next one's latency
+                prefetch(static_cast<int64_t>(table[b + 1]) * block_ * kv_row_ + head_offset,
+                         std::min(block_, kv_end - t0 - block_));
             int64_t stride;
             const float* k = rows_of(static_cast<const T*>(p_.k_cache) + base, n, kbuf_, stride);
             scores(k, stride, t0, n);
@@ -39,6 +42,19 @@ public:
 private:
     int visible(int m, int t0, int n) const {  // keys of this block row m attends: [0, result)
         return std::clamp(first_limit_ + m / group_ - t0, 0, n);
+    }
+
+    // The first n rows of one head of a block, K and V, towards the cache.
+    void prefetch(int64_t base, int n) const {
+        const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p_.k_cache) + base);
+        const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p_.v_cache) + base);
+        const int64_t row_bytes = kv_row_ * static_cast<int64_t>(sizeof(T));
+        const int row_len = dim() * static_cast<int>(sizeof(T));
+        for (int t = 0; t < n; ++t)
+            for (int off = 0; off < row_len; off += 64) {
+                __builtin_prefetch(k + t * row_bytes + off);
+                __builtin_prefetch(v + t * row_bytes + off);
+            }
     }
 
     void load_queries(int64_t token, int kv_head) {
@@ -79,46 +95,77 @@ private:
         for (int m = 0; m < rows_; ++m) {
             const int nm = visible(m, t0, n);
             if (nm == 0) continue;
-            const float* q = q_.data() + static_cast<size_t>(m) * dim();
             float* s = s_.data() + static_cast<size_t>(m) * block_;
+            dots(q_.data() + static_cast<size_t>(m) * dim(), k, stride, nm, s);
             float block_max = -std::numeric_limits<float>::infinity();
-            for (int t = 0; t < nm; ++t) {
-                const float* kt = k + t * stride;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < dim(); ++d) dot += q[d] * kt[d];
-                s[t] = dot;
-                block_max = std::max(block_max, dot);
-            }
+#pragma omp simd reduction(max : block_max)
+            for (int t = 0; t < nm; ++t) block_max = s[t] > block_max ? s[t] : block_max;
             const float new_max = std::max(max_[m], block_max);
             const float alpha = exp_nonpositive(max_[m] - new_max);
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int t = 0; t < nm; ++t) {
-                s[t] = exp_nonpositive(s[t] - new_max);
-                total += s[t];
-            }
-            sum_[m] = sum_[m] * alpha + total;
+            sum_[m] = sum_[m] * alpha + exponentiate(s, nm, new_max);
             max_[m] = new_max;
-            if (alpha != 1.0f) {
-                float* a = acc_.data() + static_cast<size_t>(m) * dim();
-#pragma omp simd
-                for (int d = 0; d < dim(); ++d) a[d] *= alpha;
-            }
+            if (alpha != 1.0f) scale_row(acc_.data() + static_cast<size_t>(m) * dim(), alpha);
         }
     }
 
-    void accumulate(const float* v, int64_t stride, int t0, int n) {
-        for (int m = 0; m < rows_; ++m) {
-            const int nm = visible(m, t0, n);
-            const float* s = s_.data() + static_cast<size_t>(m) * block_;
-            float* a = acc_.data() + static_cast<size_t>(m) * dim();
-            for (int t = 0; t < nm; ++t) {
-                const float* vt = v + t * stride;
-                const float w = s[t];
-#pragma omp simd
-                for (int d = 0; d < dim(); ++d) a[d] += w * vt[d];
+    // s[t] = q . k_t for t < n (four keys at a time, for independent FMA chains).
+    void dots(const float* __restrict__ q, const float* __restrict__ k, int64_t stride, int n,
+              float* __restrict__ s) const {
+        const int D = dim();
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride,
+                        *k3 = k2 + stride;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int d = 0; d < D; ++d) {
+                a0 += q[d] * k0[d];
+                a1 += q[d] * k1[d];
+                a2 += q[d] * k2[d];
+                a3 += q[d] * k3[d];
             }
+            s[t] = a0, s[t + 1] = a1, s[t + 2] = a2, s[t + 3] = a3;
+        }
+        for (; t < n; ++t) {
+            const float* kt = k + t * stride;
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int d = 0; d < D; ++d) a += q[d] * kt[d];
+            s[t] = a;
+        }
+    }
+
+    static float exponentiate(float* __restrict__ s, int n, float max) {  // returns the sum
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int t = 0; t < n; ++t) {
+            s[t] = exp_nonpositive(s[t] - max);
+            total += s[t];
+        }
+        return total;
+    }
+
+    void scale_row(float* __restrict__ a, float alpha) const {
+        const int D = dim();
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] *= alpha;
+    }
+
+    void accumulate(const float* v, int64_t stride, int t0, int n) {
+        for (int m = 0; m < rows_; ++m)
+            weighted_sum(s_.data() + static_cast<size_t>(m) * block_, v, stride,
+                         visible(m, t0, n), acc_.data() + static_cast<size_t>(m) * dim());
+    }
+
+    // a += sum_t w[t] v_t over t < n.
+    void weighted_sum(const float* __restrict__ w, const float* __restrict__ v, int64_t stride,
+                      int n, float* __restrict__ a) const {
+        const int D = dim();
+        for (int t = 0; t < n; ++t) {
+            const float* __restrict__ vt = v + t * stride;
+            const float wt = w[t];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) a[d] += wt * vt[d];
         }
     }
 
