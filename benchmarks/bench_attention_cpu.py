@@ -7,6 +7,7 @@ call (the step's plan is built by the first call and reused, as in the engine). 
 counts the KV bytes the step must read: seq_len x 2 (K and V) x kv_heads x head_dim x dtype
 size per request. A same-run memory copy (read + write) gives the machine's scale.
 Run: python benchmarks/bench_attention_cpu.py [--reqs 64 256] [--context 128 512] [--rounds 3]
+     [--threads N] [--cpu-time]
 """
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ def layer_call(backend, args: tuple):
     return lambda: backend.forward(*args)
 
 
-def mean_us(fn, iters: int) -> float:
-    start = time.perf_counter()
+def mean_us(fn, iters: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start) / iters * 1e6
+    return (clock() - start) / iters * 1e6
 
 
 def copy_gbps() -> float:
@@ -73,15 +74,17 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def measure(case: tuple, rounds: int, budget_s: float) -> dict[str, list[float]]:
-    """Per-round mean microseconds per call of each backend, the backends interleaved."""
+def measure(case: tuple, rounds: int, budget_s: float,
+            clock=time.perf_counter) -> dict[str, list[float]]:
+    """Per-round mean microseconds per call of each backend, the backends interleaved (by
+    `clock`: wall time, or process CPU time, which a busy shared host distorts less)."""
     calls = {"torch": layer_call(TorchAttentionBackend(), case),
              "cpu": layer_call(CpuAttentionBackend(), case)}
     iters = {name: max(2, int(budget_s * 1e6 / mean_us(fn, 1))) for name, fn in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            samples[name].append(mean_us(fn, iters[name]))
+            samples[name].append(mean_us(fn, iters[name], clock))
     return samples
 
 
@@ -99,10 +102,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.15, help="seconds per measurement")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by process CPU time instead of wall time")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; "
           f"memory copy {copy_gbps():.1f} GB/s (read + write)")
-    print(f"decode, one layer per call; medians of {args.rounds} interleaved rounds (range)")
+    print(f"decode, one layer per call; {'CPU' if args.cpu_time else 'wall'} time; medians of "
+          f"{args.rounds} interleaved rounds (range)")
     print(f"{'shape':8} {'dtype':8} {'reqs':>4} {'ctx':>4} {'KV MB':>6} | "
           f"{'torch backend':>34} | {'cpu kernel':>34} | speedup")
     for shape in args.shapes:
@@ -111,7 +121,7 @@ def main() -> None:
                 for context in args.context:
                     case, kv_bytes = decode_case(reqs, context, SHAPES[shape],
                                                  getattr(torch, dtype))
-                    s = measure(case, args.rounds, args.budget)
+                    s = measure(case, args.rounds, args.budget, clock)
                     ratio = statistics.median(s["torch"]) / statistics.median(s["cpu"])
                     print(f"{shape:8} {dtype:8} {reqs:4} {context:4} {kv_bytes / 1e6:6.1f} | "
                           f"{summary(s['torch'], kv_bytes)} | {summary(s['cpu'], kv_bytes)} | "
