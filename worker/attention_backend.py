@@ -10,7 +10,7 @@ from worker.attention_metadata import AttentionMetadata
 # KV cache layout, per layer: a key and a value tensor, each
 #   [num_blocks, block_size, num_kv_heads, head_dim]   (token-major within a block, "NHD")
 # Slot s (from slot_mapping) is row s of the tensor viewed as [num_blocks * block_size, ...].
-BACKENDS = ("auto", "torch", "cupy", "emulated")
+BACKENDS = ("auto", "torch", "cpu", "cupy", "emulated")
 
 
 class AttentionBackend(Protocol):
@@ -29,11 +29,17 @@ class AttentionBackend(Protocol):
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: CuPy kernels on CUDA, torch elsewhere."""
+    """`auto`: CuPy kernels on CUDA, the native CPU kernel elsewhere (which falls back to
+    torch, with one warning, when it cannot be compiled)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        name = "cupy" if device.type == "cuda" else "torch"
+        name = "cupy" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device}")
+        from worker.cpu_attention import make_cpu_backend
+        return make_cpu_backend()
     if name == "torch":
         from worker.torch_attention import TorchAttentionBackend
         return TorchAttentionBackend()

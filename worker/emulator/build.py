@@ -4,19 +4,18 @@ The generated C++ file includes kemu.h, then the kernel sources, then a table of
 requested template instantiations (their name expressions, exactly as NVRTC gets them).
 Libraries are cached under ~/.cache/deltaserve/kemu (or $DELTASERVE_KEMU_CACHE), keyed by a
 hash of every input and flag; a build goes to a temporary file renamed into place under a
-file lock, so concurrent processes (e.g. tensor-parallel workers) build it once.
+file lock, so concurrent processes (e.g. tensor-parallel workers) build it once
+(worker/native_build.py).
 """
 from __future__ import annotations
 
-import fcntl
 import glob
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from worker import native_build
 
 EMULATOR_DIR = Path(__file__).resolve().parent
 HEADERS = ("kemu.h", "kemu_fiber.h", "kemu_launch.h")
@@ -53,10 +52,10 @@ def cuda_include_dir() -> Path:
 
 
 def compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++")
-    if not cxx:
-        raise EmulatorUnavailable("no C++ compiler: install g++ or set CXX")
-    return cxx
+    try:
+        return native_build.compiler()
+    except native_build.CompilerUnavailable as e:
+        raise EmulatorUnavailable(str(e)) from None
 
 
 def library_source(sources: Sequence[Path], kernels: Sequence[str]) -> str:
@@ -69,16 +68,6 @@ def library_source(sources: Sequence[Path], kernels: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _fingerprint(text: str, sources: Sequence[Path], flags: Sequence[str], cxx: str) -> str:
-    digest = hashlib.sha256(text.encode())
-    for path in [*(EMULATOR_DIR / h for h in HEADERS), *map(Path, sources)]:
-        digest.update(path.read_bytes())
-    digest.update("\0".join(flags).encode())
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest.update(version.encode())
-    return digest.hexdigest()[:20]
-
-
 def build_library(sources: Sequence[Path], kernels: Sequence[str], *, tag: str = "kernels",
                   defines: Sequence[str] = ()) -> Path:
     """The path of a built library (from the cache when it exists)."""
@@ -87,25 +76,6 @@ def build_library(sources: Sequence[Path], kernels: Sequence[str], *, tag: str =
     flags = [*CXX_FLAGS, *(f"-D{d}" for d in defines), f"-I{EMULATOR_DIR}", f"-I{include}",
              *sorted({f"-I{Path(s).resolve().parent}" for s in sources})]
     text = library_source(sources, kernels)
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{tag}-{_fingerprint(text, sources, flags, cxx)}.so"
-    if target.exists():
-        return target
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            _compile(cxx, flags, text, target)
-    return target
-
-
-def _compile(cxx: str, flags: Sequence[str], text: str, target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "library.cpp"
-        source.write_text(text)
-        output = Path(tmp) / target.name
-        result = subprocess.run([cxx, *flags, str(source), "-o", str(output)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise EmulatorBuildError(f"g++ failed building {target.name}:\n{result.stderr[-8000:]}")
-        os.replace(output, target)
+    inputs = [*(EMULATOR_DIR / h for h in HEADERS), *map(Path, sources)]
+    return native_build.cached_library(text, inputs, flags, cache_dir(), tag,
+                                       error=EmulatorBuildError, cxx=cxx)

@@ -1,0 +1,52 @@
+"""The compiled CPU paged-attention kernel (worker/kernels/cpu_paged_attention.cpp), built
+with the system C++ compiler on first use and cached on disk (worker/native_build.py).
+
+The library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
+and loads first, so the dynamic loader binds it to torch's copy: the kernel's parallel region
+runs on torch's intra-op threads, never on a second pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from worker import native_build
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_attention_tile.h")
+CXX_FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+             "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Werror")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the .cpp's dispatch
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# dtype, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
+# query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out, num_heads,
+# num_kv_heads, head_dim, block_size, scale, num_threads
+ARGTYPES = [_I32, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64,
+            _P, _I32, _I32, _I32, _I32, _F32, _I32]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DELTASERVE_KERNEL_CACHE",
+                               "~/.cache/deltaserve/cpu-kernels")).expanduser()
+
+
+def build() -> Path:
+    """The built library's path (compiles unless the cache holds this source/flags/CPU)."""
+    text = f'#include "{KERNEL_DIR / SOURCES[0]}"\n'
+    return native_build.cached_library(text, [KERNEL_DIR / s for s in SOURCES],
+                                       [*CXX_FLAGS, f"-I{KERNEL_DIR}"], cache_dir(),
+                                       "cpu-paged-attention")
+
+
+@functools.cache
+def load() -> ctypes._CFuncPtr:
+    """The kernel's entry point (ctypes releases the GIL during the call)."""
+    function = ctypes.CDLL(str(build())).cpu_paged_attention
+    function.restype = ctypes.c_int
+    function.argtypes = ARGTYPES
+    return function

@@ -1,0 +1,143 @@
+// Paged attention on the CPU, reading K/V in place through the block table.
+//
+// Layouts (all row-major; strides in elements):
+//   query  [num_tokens, num_heads, head_dim]     row stride q_stride, heads contiguous
+//   key/value (new) [num_tokens, num_kv_heads, head_dim]   row strides k_stride / v_stride
+//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   out    [num_tokens, num_heads, head_dim]     contiguous
+//   slot_mapping [num_tokens] int64 (< 0: skip); query_start_loc [num_reqs + 1] int32;
+//   seq_lens [num_reqs] int32; block_table [num_reqs, bt_stride] int32
+//   items [num_items, 3] int32: (request, first query token, end query token), relative to
+//   the request's rows; work unit = (item, kv head), so a K/V row is read once per group of
+//   num_heads / num_kv_heads query heads (GQA) and query tile.
+// Query token j of a request with seq_len s and query_len n attends keys [0, s - n + j]
+// (causal, bottom-right aligned). Keys at or past a row's limit are never read, so slots past
+// seq_len (stale or poisoned) never reach the arithmetic. Accumulation is fp32 with an online
+// softmax over one KV block at a time.
+//
+// Threads: one OpenMP parallel region per call; built against the OpenMP runtime torch has
+// already loaded (same soname), so these are torch's intra-op threads.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__FLT16_MAX__)
+using half_t = _Float16;
+#else
+#error "needs a compiler with _Float16 (GCC >= 12 or Clang >= 15 on x86-64)"
+#endif
+
+namespace {
+
+struct Params {
+    const void* q; int64_t q_stride;
+    const void* k; int64_t k_stride;
+    const void* v; int64_t v_stride;
+    void* k_cache; void* v_cache;
+    const int64_t* slot_mapping; int64_t num_tokens;
+    const int32_t* query_start_loc; const int32_t* seq_lens;
+    const int32_t* block_table; int64_t bt_stride;
+    const int32_t* items; int64_t num_items;
+    void* out;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+};
+
+struct bf16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(half_t x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16);
+}
+inline void from_float(float x, float* y) { *y = x; }
+inline void from_float(float x, half_t* y) { *y = static_cast<half_t>(x); }
+inline void from_float(float x, bf16* y) {  // round to nearest even; NaN stays NaN
+    const uint32_t u = __builtin_bit_cast(uint32_t, x);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    y->bits = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u
+                                                                      : rounded);
+}
+
+// e^x for x <= 0 (Cephes-style: exp(x) = 2^n e^r, |r| <= ln2/2, degree-6 polynomial);
+// exactly 0 below -87 (that also covers -inf). Branch-free, so it vectorizes inside simd loops.
+inline float exp_nonpositive(float x) {
+    float c = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
+#include "cpu_paged_attention_tile.h"
+
+template <typename T>
+void write_kv(const Params& p) {
+    const int64_t row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+    const size_t bytes = row * sizeof(T);
+    T* kc = static_cast<T*>(p.k_cache);
+    T* vc = static_cast<T*>(p.v_cache);
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < p.num_tokens; ++t) {
+        const int64_t slot = p.slot_mapping[t];
+        if (slot < 0) continue;
+        std::memcpy(kc + slot * row, k + t * p.k_stride, bytes);
+        std::memcpy(vc + slot * row, v + t * p.v_stride, bytes);
+    }
+}
+
+template <typename T, int D>
+void run(const Params& p, int num_threads) {
+    const int64_t units = p.num_items * p.num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        write_kv<T>(p);  // ends in an implicit barrier: every slot is written before any read
+        Tile<T, D> tile(p);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u)
+            tile.attend(p.items + 3 * (u / p.num_kv_heads), static_cast<int>(u % p.num_kv_heads));
+    }
+}
+
+template <typename T>
+int dispatch_dim(const Params& p, int num_threads) {
+    switch (p.head_dim) {
+        case 64: run<T, 64>(p, num_threads); return 0;
+        case 128: run<T, 128>(p, num_threads); return 0;
+        default: run<T, 0>(p, num_threads); return 0;
+    }
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* k,
+                        int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
+                        void* v_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                        const int32_t* query_start_loc, const int32_t* seq_lens,
+                        const int32_t* block_table, int64_t bt_stride, const int32_t* items,
+                        int64_t num_items, void* out, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, float scale, int num_threads) {
+    if (num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0) return 1;
+    Params p{q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
+             query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out,
+             num_heads, num_kv_heads, head_dim, block_size, scale};
+    switch (dtype) {  // worker/cpu_attention.py: _DTYPE_CODES
+        case 0: return dispatch_dim<float>(p, num_threads);
+        case 1: return dispatch_dim<bf16>(p, num_threads);
+        case 2: return dispatch_dim<half_t>(p, num_threads);
+        default: return 2;
+    }
+}
