@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-AttentionBackendName = Literal["auto", "torch", "cupy", "emulated"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -46,7 +46,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     seed: Annotated[int, _opt("seed of requests that bring none")] = 0
     max_logprobs: Annotated[int, _opt("most logprobs a request may ask for per token")] = 20
     attention_backend: Annotated[AttentionBackendName, _opt(
-        "auto: CUDA kernels on a GPU, torch on a CPU")] = "auto"
+        "auto: CUDA kernels on a GPU, the compiled CPU kernel on a CPU")] = "auto"
     worker_address: Annotated[str | None, _opt(
         "tcp://HOST:PORT to let remote workers join (default: a private ipc socket)")] = None
     local_ranks: Annotated[list[int] | None, _opt(

@@ -1,16 +1,17 @@
 """The attention backend interface and how a worker picks one."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, get_args
 
 import torch
 
+from protocol.engine_config import AttentionBackendName
 from worker.attention_metadata import AttentionMetadata
 
 # KV cache layout, per layer: a key and a value tensor, each
 #   [num_blocks, block_size, num_kv_heads, head_dim]   (token-major within a block, "NHD")
 # Slot s (from slot_mapping) is row s of the tensor viewed as [num_blocks * block_size, ...].
-BACKENDS = ("auto", "torch", "cpu", "cupy", "emulated")
+BACKENDS = get_args(AttentionBackendName)
 
 
 class AttentionBackend(Protocol):
