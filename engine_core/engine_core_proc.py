@@ -41,6 +41,9 @@ class EngineCoreProc:
         self.input.connect(input_address)
         self.output = self.context.socket(zmq.PAIR)
         self.output.setsockopt(zmq.LINGER, 2000)
+        # Never block the step loop on a front-end that is not reading (between two offline
+        # calls, or busy sending): what queues is bounded by the requests it sent.
+        self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_address)
         self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
         self.journal = open_journal(config) if config.record_path else None

@@ -1,35 +1,25 @@
 """The engine core's side of its workers: start, greet, broadcast steps, collect rank 0's answer."""
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket as pysocket
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+import psutil
 import zmq
 
-from common.log_limiter import LogLimiter
 from common.process import POLL_MS, free_port, spawn, stop_processes
-from common.worker_auth import (SECRET_ENV, new_secret, proof_is_valid, read_secret_file,
-                                secure_server)
+from common.worker_auth import SECRET_ENV, new_secret, proof_is_valid, read_secret_file
 from engine_core.worker_failure import LocalWorker, WorkerFailure
-from protocol import (Channel, Codec, EngineConfig, ModelRunnerOutput, ProtocolError,
-                      SchedulerOutput, WorkerError, WorkerHello, WorkerInit, WorkerPing,
-                      WorkerReady, WorkerShutdown)
+from engine_core.worker_socket import FrameTap, Unreachable, WorkerSocket
+from protocol import (EngineConfig, ModelRunnerOutput, SchedulerOutput, WorkerError, WorkerHello,
+                      WorkerInit, WorkerReady, WorkerShutdown)
 
 logger = logging.getLogger("deltaserve")
-
-# Called with every frame crossing the worker socket: (channel, frame, step, peer rank).
-FrameTap = Callable[[Channel, bytes, int, int], None]
-ALL_RANKS, UNKNOWN_RANK = 254, 255  # peer values of a broadcast and of an unnamed peer
-# The largest frame a worker sends (a step's tokens and logprobs, or an error report) is well
-# under this; anything bigger is refused by ZeroMQ before it is buffered.
-MAX_WORKER_FRAME = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +31,12 @@ class WorkerCapacity:
 
 
 class WorkerGroup:
-    """Implements `ModelExecutor` over a ROUTER socket; each worker is a DEALER.
+    """Implements `ModelExecutor` over a `WorkerSocket`.
 
     Every step message is encoded once and sent to every rank, in step order, over ordered
     connections, so each worker sees each step exactly once. Only rank 0 answers. Only peers
-    that proved they hold the engine's worker secret are believed; frames from anyone else are
-    logged and dropped, and their comings and goings are not worker deaths.
+    that proved they hold the engine's worker secret are believed; a stranger's comings and
+    goings are not worker deaths.
     """
 
     def __init__(self, config: EngineConfig, context: zmq.Context, runtime_dir: str,
@@ -56,27 +46,17 @@ class WorkerGroup:
         self.runtime_dir = runtime_dir
         self.secret = (read_secret_file(config.worker_secret_file)
                        if config.worker_secret_file else new_secret())
-        self.socket = context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_FRAME)
-        self.auth = secure_server(self.socket, self.secret) if config.worker_address else None
-        self.socket.bind(config.worker_address or f"ipc://{runtime_dir}/workers")
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.poller = zmq.Poller()
-        self.poller.register(self.socket, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        self.socket = WorkerSocket(context, config.worker_address or
+                                   f"ipc://{runtime_dir}/workers", self.secret,
+                                   encrypt=config.worker_address is not None, tap=tap)
+        self.address = self.socket.address
         self.local: dict[int, LocalWorker] = {}
-        self.peers: dict[int, bytes] = {}  # rank -> socket identity, once authenticated
-        self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
-        self.ping = bytes(self.encoder.encode(WorkerPing()))
-        self.tap = tap
-        self.submitted_step = 0  # the newest step submitted
         self.in_flight: deque[tuple[int, float]] = deque()  # (step, sent at), not collected
-        self.held: deque[tuple[object, bytes]] = deque()  # read while looking for reports
         self.started = False  # every rank has reported WorkerReady
-        self.strangers = LogLimiter(logger, "worker socket")
+
+    @property
+    def peers(self) -> dict[int, bytes]:
+        return self.socket.peers
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -119,22 +99,23 @@ class WorkerGroup:
             return f"file://{self.runtime_dir}/rendezvous"
         host = urlparse(self.address).hostname or ""
         if host in ("", "0.0.0.0", "*", "::"):
-            host = pysocket.gethostbyname(pysocket.gethostname())
+            host = _outward_address()
         return f"tcp://{host}:{free_port(host)}"
 
     def _greet(self, hello: WorkerHello, identity: bytes, init: WorkerInit) -> None:
         if not proof_is_valid(self.secret, hello.proof, hello.rank, hello.pid, identity):
-            self.strangers.warn(f"ignored a hello without a valid proof (claims rank "
-                                f"{hello.rank}, pid {hello.pid}, host {hello.hostname!r})")
+            self.socket.strangers.warn(f"ignored a hello without a valid proof (claims rank "
+                                       f"{hello.rank}, pid {hello.pid}, host "
+                                       f"{hello.hostname!r})")
             return
         if not 0 <= hello.rank < self.world_size or hello.rank in self.peers:
             logger.error("refusing worker with rank %d (pid %d, %s): already present or "
                          "outside world size %d", hello.rank, hello.pid, hello.hostname,
                          self.world_size)
-            self._send(identity, self.encoder.encode(WorkerShutdown()))
+            self._send(identity, self.socket.encoder.encode(WorkerShutdown()))
             return
         self.peers[hello.rank] = identity
-        self._send(identity, self.encoder.encode(init))
+        self._send(identity, self.socket.encoder.encode(init))
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -143,7 +124,7 @@ class WorkerGroup:
         return self.collect()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self.submit_frame(self.encoder.encode(scheduler_output), scheduler_output.step)
+        self.submit_frame(self.socket.encoder.encode(scheduler_output), scheduler_output.step)
 
     def execute_frame(self, frame: bytes | bytearray, step: int) -> ModelRunnerOutput:
         """Broadcast one encoded step (e.g. a recorded one) and wait for rank 0's answer."""
@@ -152,11 +133,10 @@ class WorkerGroup:
 
     def submit_frame(self, frame: bytes | bytearray, step: int) -> None:
         """Broadcast one encoded step without waiting for its answer."""
-        self.submitted_step = step
-        if self.tap is not None:
-            self.tap(Channel.CORE_TO_WORKER, frame, step, ALL_RANKS)
-        for rank in range(self.world_size):
-            self._send(self.peers[rank], frame, tap=False)
+        try:
+            self.socket.broadcast(frame, step)
+        except Unreachable as e:
+            raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
         self.in_flight.append((step, time.monotonic()))
 
     def collect(self) -> ModelRunnerOutput:
@@ -183,18 +163,24 @@ class WorkerGroup:
                                          f"the answer ({states or 'no local workers'})")
 
     def poll_idle(self) -> None:
-        """While no step is in flight: read whatever peers sent (a stranger's flood must not
+        """While no step is in flight: read everything peers sent (a stranger's flood must not
         pile up in buffers), and raise if a worker failed, died or hangs."""
         while True:
-            message, identity = self._receive(0)
-            if message is None:
-                return
+            waiting, disconnected = self.socket.poll(0)
+            if disconnected:
+                self._on_disconnect()
+            if not waiting:
+                break
+            message, identity = self.socket.read()
             if isinstance(message, WorkerError):
                 raise self._blame(self._failure_of(message, identity))
             if isinstance(message, WorkerHello):
                 self._greet(message, identity, WorkerInit(self.config))  # refused: present
-            else:
+            elif message is not None:
                 logger.warning("a worker sent %s while idle; ignored", type(message).__name__)
+        self.check_alive()
+
+    # --- failures ---------------------------------------------------------------------------
 
     def check_alive(self) -> None:
         """Raise a WorkerFailure if a local worker has exited or is stopped, with its own
@@ -207,7 +193,7 @@ class WorkerGroup:
         return next((f for f in (w.failure() for w in self.local.values()) if f), None)
 
     def _failure_of(self, error: WorkerError, identity: bytes | None) -> WorkerFailure:
-        rank = self._rank_of(identity) if identity is not None else error.rank
+        rank = self.socket.rank_of(identity)
         when = f"at step {error.step}" if self.started else "to start"
         return WorkerFailure(f"worker_{rank}", f"worker_{rank} failed {when}: {error.message}",
                              True)
@@ -230,42 +216,56 @@ class WorkerGroup:
 
     def _collect_reports(self, reports: dict[str, WorkerFailure], timeout_ms: int) -> None:
         """Read queued frames (waiting up to the timeout for each) into `reports` if they are
-        WorkerErrors, else into `held` for `_receive`: a false alarm must lose nothing."""
-        while self.socket.poll(timeout_ms, zmq.POLLIN):
-            message, identity = self._read_frame()
+        WorkerErrors, else keep them for `_receive`: a false alarm must lose nothing."""
+        kept = []
+        while self.socket.socket.poll(timeout_ms, zmq.POLLIN):
+            message, identity = self.socket.read()
             if isinstance(message, WorkerError):
                 failure = self._failure_of(message, identity)
                 reports.setdefault(failure.process, failure)
             elif message is not None:
-                self.held.append((message, identity))
+                kept.append((message, identity))
+        self.socket.held.extend(kept)
 
     def _on_disconnect(self) -> None:
         """Some peer left. Raise if it was a worker: a worker that is gone is no longer
         routable (ROUTER_MANDATORY refuses a ping to it); anyone else is a stranger."""
-        gone = [rank for rank, identity in self.peers.items() if not self._reachable(identity)]
+        gone = [rank for rank, identity in self.peers.items()
+                if not self.socket.reachable(identity)]
         if gone:
             name = f"worker_{gone[0]}"
             raise self._blame(WorkerFailure(name, f"{name} disconnected from {self.address}"))
-        self.strangers.info(f"a peer that is not a worker disconnected from {self.address}")
+        self.socket.strangers.info(f"a peer that is not a worker disconnected from "
+                                   f"{self.address}")
 
-    def _reachable(self, identity: bytes) -> bool:
+    # --- the seam ---------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, frame: bytes | bytearray) -> None:
         try:
-            self.socket.send_multipart([identity, self.ping], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            return e.errno != errno.EHOSTUNREACH
-        return True
+            self.socket.send(identity, frame)
+        except Unreachable as e:
+            raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
+
+    def _receive(self, timeout_ms: int) -> tuple[object | None, bytes | None]:
+        """One message and its sender, or (None, None) after the timeout. Liveness is checked
+        whenever no frame is queued: a worker's last WorkerError is read before the
+        disconnect and the exit that follow it."""
+        waiting, disconnected = self.socket.poll(timeout_ms)
+        if waiting:
+            return self.socket.read()
+        if disconnected:
+            self._on_disconnect()
+        self.check_alive()
+        return None, None
 
     def shutdown(self) -> None:
         for identity in self.peers.values():
             try:
-                self._send(identity, self.encoder.encode(WorkerShutdown()))
-            except WorkerFailure:
+                self.socket.send(identity, self.socket.encoder.encode(WorkerShutdown()))
+            except Unreachable:
                 pass  # already gone
         stop_processes([w.proc for w in self.local.values()])
-        self.monitor.close(linger=0)
-        self.socket.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
+        self.socket.close()
 
     def kill_local(self) -> None:
         """Last resort (the engine core's parent is gone): SIGKILL local workers at once."""
@@ -275,53 +275,12 @@ class WorkerGroup:
             except OSError:
                 pass
 
-    # --- the one seam every worker frame passes -----------------------------------------------
 
-    def _rank_of(self, identity: bytes | None) -> int:
-        return next((r for r, i in self.peers.items() if i == identity), UNKNOWN_RANK)
-
-    def _send(self, identity: bytes, frame: bytes | bytearray, tap: bool = True) -> None:
-        if tap and self.tap is not None:
-            self.tap(Channel.CORE_TO_WORKER, frame, self.submitted_step, self._rank_of(identity))
-        try:
-            self.socket.send_multipart([identity, frame], copy=False)
-        except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
-            raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
-
-    def _receive(self, timeout_ms: int) -> tuple[object | None, bytes | None]:
-        """One decoded message from an authenticated worker (or a hello from anyone) and its
-        sender, or (None, None) after the timeout. Liveness is checked whenever no frame is
-        queued: a worker's last WorkerError is read before the disconnect and the exit that
-        follow it."""
-        if self.held:
-            return self.held.popleft()
-        events = dict(self.poller.poll(timeout_ms))
-        if self.socket in events:
-            return self._read_frame()
-        if self.monitor in events:
-            self.monitor.recv_multipart()
-            self._on_disconnect()
-        self.check_alive()
-        return None, None
-
-    def _read_frame(self) -> tuple[object | None, bytes | None]:
-        """Malformed frames, and anything but a hello from a peer that has not proved itself,
-        are logged and dropped."""
-        parts = self.socket.recv_multipart(copy=True)
-        if len(parts) != 2:
-            self.strangers.warn(f"dropped a {len(parts)}-part message (a worker sends one part)")
-            return None, None
-        identity, frame = parts
-        rank = self._rank_of(identity)
-        if self.tap is not None:
-            self.tap(Channel.WORKER_TO_CORE, frame, self.submitted_step, rank)
-        try:
-            message = self.decoder.decode(frame)
-        except ProtocolError as e:
-            self.strangers.warn(f"dropped a frame: {e}")
-            return None, None
-        if rank == UNKNOWN_RANK and not isinstance(message, WorkerHello):
-            self.strangers.warn(f"ignored a {type(message).__name__} from a peer that is not "
-                                "an authenticated worker")
-            return None, None
-        return message, identity
+def _outward_address() -> str:
+    """This host's first non-loopback IPv4 address (what other hosts reach it by), else
+    whatever its name resolves to."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == pysocket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return pysocket.gethostbyname(pysocket.gethostname())

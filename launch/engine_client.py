@@ -44,6 +44,7 @@ class EngineClient:
         self.output = self.context.socket(zmq.PAIR)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.MAXMSGSIZE, MAX_OUTPUT_FRAME)
+        self.output.setsockopt(zmq.RCVHWM, 0)  # the engine core never blocks on us
         self.output.bind(f"ipc://{self.runtime_dir}/output")
         self.encoder = Codec(Channel.FRONTEND_TO_CORE)
         self.decoder = Codec(Channel.CORE_TO_FRONTEND)

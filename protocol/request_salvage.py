@@ -17,7 +17,7 @@ def readable_request_ids(frame: bytes) -> list[str]:
         return []
     try:
         payload = msgspec.msgpack.decode(memoryview(frame)[len(HEADER):])
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ValueError):  # ValueError: e.g. invalid UTF-8 in a string
         return []
     if not isinstance(payload, list) or not payload:
         return []

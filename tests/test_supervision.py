@@ -108,7 +108,9 @@ def _script(path: str, body: str) -> subprocess.Popen:
                   tensor_parallel_size=2)
         import psutil
         core = psutil.Process(llm.engine.proc.pid)
-        print(" ".join(str(p.pid) for p in [core] + core.children()), flush=True)
+        # One line (a second one could sit in the reader's buffer, unseen by select):
+        # the engine core's and workers' pids, then the runtime directory.
+        print(*(p.pid for p in [core] + core.children()), llm.engine.runtime_dir, flush=True)
     """) + textwrap.dedent(body)
     # stderr goes to a file (a pipe nobody reads could fill up and block the engine's logs).
     log = tempfile.TemporaryFile()
@@ -135,13 +137,19 @@ def _line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
                 f"{proc.log.read().decode(errors='replace')}")
 
 
-def test_children_exit_when_the_front_end_dies(tiny):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_children_exit_when_the_front_end_dies(tiny, signum):
+    """Killed or terminated, the front-end cannot clean up: the engine core notices, stops its
+    workers and removes the runtime directory."""
     proc = _script(tiny, "time.sleep(60)\n")
-    pids = [int(p) for p in _line(proc).split()]
+    *pids, runtime_dir = _line(proc).split()
+    pids = [int(p) for p in pids]
     assert len(pids) == 3, f"expected the engine core and 2 workers, got pids {pids}"
-    proc.send_signal(signal.SIGKILL)
+    assert os.path.isdir(runtime_dir)
+    proc.send_signal(signum)
     proc.wait()
     assert not wait_gone(pids, 2.0)
+    assert not os.path.exists(runtime_dir)
 
 
 def test_ctrl_c_stops_everything_in_order(tiny):
@@ -155,13 +163,15 @@ def test_ctrl_c_stops_everything_in_order(tiny):
             print("interrupted", flush=True)
     """
     proc = _script(tiny, body)
-    pids = [int(p) for p in _line(proc).split()]
+    *pids, runtime_dir = _line(proc).split()
+    pids = [int(p) for p in pids]
     time.sleep(1.0)
     for pid in [proc.pid] + pids:  # a terminal's Ctrl-C reaches the whole process group
         os.kill(pid, signal.SIGINT)
     assert _line(proc).strip() == "interrupted"
     assert proc.wait(timeout=10) == 0
     assert not wait_gone(pids, 2.0)
+    assert not os.path.exists(runtime_dir)
 
 
 def test_malformed_frames_are_dropped_and_serving_continues(tiny):
