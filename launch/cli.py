@@ -52,6 +52,8 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
                    help="replay into a fresh scheduler; expect byte-identical step messages")
     p.add_argument("--dump-step", type=int, help="write the worker inputs of this step")
     p.add_argument("--out", help="directory for --dump-step")
+    p.add_argument("--allow-truncated", action="store_true",
+                   help="replay what a journal without its trailer holds (killed recordings)")
 
 
 def _journal_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,11 +73,12 @@ def replay(args: argparse.Namespace) -> int:
     if args.dump_step is not None:
         if not args.out:
             raise ValueError("--dump-step needs --out DIR")
-        return replays.dump_step(args.journal, args.dump_step, args.out)
+        return replays.dump_step(args.journal, args.dump_step, args.out,
+                                 allow_truncated=args.allow_truncated)
     if args.scheduler_only:
-        return replays.replay_scheduler(args.journal)
+        return replays.replay_scheduler(args.journal, allow_truncated=args.allow_truncated)
     return replays.replay_workers(args.journal, args.model, args.tensor_parallel_size,
-                                  args.until_step)
+                                  args.until_step, allow_truncated=args.allow_truncated)
 
 
 def journal(args: argparse.Namespace) -> int:

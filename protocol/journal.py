@@ -1,35 +1,49 @@
 """The message journal: every frame the engine core sends and receives, byte for byte.
 
 File layout (integers little-endian):
-    b"DSJRNL01" | u32 header length | u32 crc32(header) | header (msgpack JournalHeader)
-    then records: u32 frame length | u32 crc32(rest) | u8 channel | u8 peer | u64 step |
-                  u64 monotonic ns | frame
+    b"DSJRNL02"                     magic: b"DSJRNL" and the two-digit format version
+    u32 header length | u32 crc32(header) | header (msgpack JournalHeader)
+    records, each:  u32 body length | u32 crc32(meta + body) | meta | body
+        meta = u8 kind | u8 peer | u64 step | u64 monotonic ns      (22 bytes)
+        kind is a Channel (1..4) and body the frame as sent or received,
+    then exactly one trailer, the last bytes of the file: a record of kind TRAILER whose body is
+        u64 record count | u32 crc32(every byte of the file before the trailer)
 `peer` is the worker rank a frame came from or went to (ALL_PEERS for a step broadcast to
-every rank, NO_PEER on front-end channels). Records are appended by a background thread, so
-the step loop never waits on the disk; the buffer is flushed every FLUSH_S and on close.
+every rank, NO_PEER on front-end channels and in the trailer).
+
+Invariants: a journal is complete iff it ends with a trailer whose count and checksum agree
+with the bytes before it. The trailer is written only by close(), after the last record, so a
+recording that was killed (or is still running) is a truncated journal: every record written
+so far reads back, and the reader says where the file ends. Records are appended by a
+background thread, so the step loop never waits on the disk; the buffer is flushed every
+FLUSH_S and on close. Reading lives in `protocol.journal_reader`.
 """
 from __future__ import annotations
 
-import mmap
 import queue
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from protocol.codec import Channel, Codec, ProtocolError
+from protocol.codec import Channel
 from protocol.engine_config import EngineConfig
 
-MAGIC = b"DSJRNL01"
+MAGIC_STEM = b"DSJRNL"
+VERSION = b"02"
+MAGIC = MAGIC_STEM + VERSION
 ALL_PEERS, NO_PEER = 254, 255
+TRAILER = 0xFF  # the record kind of the trailer: never a Channel
 FLUSH_S = 0.1
-_RECORD = struct.Struct("<IIBBQQ")  # length, crc, channel, peer, step, timestamp_ns
-_PREFIX = struct.Struct("<II")  # header length, crc
+RECORD = struct.Struct("<IIBBQQ")  # length, crc, kind, peer, step, timestamp_ns
+META = struct.Struct("<BBQQ")  # kind, peer, step, timestamp_ns: the record's bytes 8..30
+PREFIX = struct.Struct("<II")  # header length, crc
+TRAILER_BODY = struct.Struct("<QI")  # record count, crc32 of every byte before the trailer
+CHANNELS = frozenset(int(c) for c in Channel)
 _DIRECTIONS = {Channel.FRONTEND_TO_CORE: ("in", "frontend"),
                Channel.CORE_TO_FRONTEND: ("out", "frontend"),
                Channel.CORE_TO_WORKER: ("out", "worker"),
@@ -37,11 +51,18 @@ _DIRECTIONS = {Channel.FRONTEND_TO_CORE: ("in", "frontend"),
 
 
 class JournalError(Exception):
-    """A truncated or corrupted journal; `offset` is where the damage starts."""
+    """A journal that cannot be read as it should: one line naming the file and, when the
+    damage is inside the file, the byte offset where it starts (`offset`, else None)."""
 
-    def __init__(self, message: str, offset: int) -> None:
-        super().__init__(f"{message} at byte offset {offset}")
-        self.offset = offset
+    def __init__(self, path: str, message: str, offset: int | None) -> None:
+        where = "" if offset is None else f" at byte offset {offset}"
+        super().__init__(f"{path}: {message}{where}")
+        self.path, self.offset = path, offset
+
+
+class JournalTruncated(JournalError):
+    """The journal ends without its trailer; `offset` is where the file ends. Every record
+    before the incomplete one (if any) is intact."""
 
 
 class JournalHeader(msgspec.Struct, kw_only=True):
@@ -77,10 +98,18 @@ class JournalRecord:
 
 
 class JournalWriter:
+    """Appends records on its own thread; close() writes the trailer and makes the journal
+    complete. Only the writer thread touches the file after __init__."""
+
     def __init__(self, path: str, header: JournalHeader) -> None:
         self._file = open(path, "wb")
         head = msgspec.msgpack.encode(header)
-        self._file.write(MAGIC + _PREFIX.pack(len(head), zlib.crc32(head)) + head)
+        start = MAGIC + PREFIX.pack(len(head), zlib.crc32(head)) + head
+        self._file.write(start)
+        self._crc = zlib.crc32(start)  # of every byte written so far
+        self._count = 0  # records written, the trailer excluded
+        self._last_step = 0
+        self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, name="journal", daemon=True)
         self._thread.start()
@@ -91,6 +120,10 @@ class JournalWriter:
         self._queue.put((channel, peer, step, time.monotonic_ns(), bytes(frame)))
 
     def close(self) -> None:
+        """Write what is queued, then the trailer. Idempotent; records after it are dropped."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
         self._file.close()
@@ -103,76 +136,22 @@ class JournalWriter:
             except queue.Empty:
                 item = ...
             if item is None:
+                self._write(TRAILER, NO_PEER, self._last_step, time.monotonic_ns(),
+                            TRAILER_BODY.pack(self._count, self._crc))
                 self._file.flush()
                 return
             if item is not ...:
                 channel, peer, step, ts, frame = item
-                meta = struct.pack("<BBQQ", channel, peer, step, ts)
-                self._file.write(_RECORD.pack(len(frame), zlib.crc32(frame, zlib.crc32(meta)),
-                                              channel, peer, step, ts) + frame)
+                self._write(channel, peer, step, ts, frame)
+                self._count += 1
+                self._last_step = max(self._last_step, step)
             if time.monotonic() - last_flush >= FLUSH_S:
                 self._file.flush()
                 last_flush = time.monotonic()
 
-
-class JournalReader:
-    """Iterating yields the JournalHeader, then a JournalRecord per frame, in order. Damage
-    raises JournalError naming the byte offset; every record before it has been yielded."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._codecs = {channel: Codec(channel) for channel in Channel}
-
-    def __iter__(self) -> Iterator[JournalHeader | JournalRecord]:
-        with open(self.path, "rb") as f:
-            if f.seek(0, 2) < len(MAGIC):
-                raise JournalError(f"{self.path} is not a deltaserve journal", 0)
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        yield self._header(data)
-        offset = len(MAGIC) + _PREFIX.size + _PREFIX.unpack_from(data, len(MAGIC))[0]
-        while offset < len(data):
-            record = self._record(data, offset)
-            yield record
-            offset += _RECORD.size + len(record.frame)
-
-    @property
-    def header(self) -> JournalHeader:
-        return next(iter(self))
-
-    def records(self) -> Iterator[JournalRecord]:
-        it = iter(self)
-        next(it)
-        return it
-
-    def _header(self, data: bytes) -> JournalHeader:
-        if data[:len(MAGIC)] != MAGIC:
-            raise JournalError(f"{self.path} is not a deltaserve journal", 0)
-        if len(data) < len(MAGIC) + _PREFIX.size:
-            raise JournalError("truncated header", len(MAGIC))
-        size, crc = _PREFIX.unpack_from(data, len(MAGIC))
-        start = len(MAGIC) + _PREFIX.size
-        head = data[start:start + size]
-        if len(head) < size or zlib.crc32(head) != crc:
-            raise JournalError("truncated or corrupted header", len(MAGIC))
-        return msgspec.msgpack.decode(head, type=JournalHeader)
-
-    def _record(self, data: bytes, offset: int) -> JournalRecord:
-        if offset + _RECORD.size > len(data):
-            raise JournalError("truncated record header", offset)
-        size, crc, channel, peer, step, ts = _RECORD.unpack_from(data, offset)
-        start = offset + _RECORD.size
-        frame = bytes(data[start:start + size])
-        if len(frame) < size:
-            raise JournalError(f"truncated frame ({len(frame)} of {size} bytes)", offset)
-        meta = data[offset + 8:start]
-        if zlib.crc32(frame, zlib.crc32(meta)) != crc or channel not in _CHANNELS:
-            raise JournalError("checksum mismatch (corrupted record)", offset)
-        channel = Channel(channel)
-        try:
-            return JournalRecord(offset, channel, peer, step, ts, frame,
-                                 self._codecs[channel].decode(frame))
-        except ProtocolError as e:  # recorded as received: the engine dropped it too
-            return JournalRecord(offset, channel, peer, step, ts, frame, None, str(e))
-
-
-_CHANNELS = {int(c) for c in Channel}
+    def _write(self, kind: int, peer: int, step: int, ts: int, body: bytes) -> None:
+        meta = META.pack(kind, peer, step, ts)
+        prefix = PREFIX.pack(len(body), zlib.crc32(body, zlib.crc32(meta))) + meta
+        self._file.write(prefix)
+        self._file.write(body)
+        self._crc = zlib.crc32(body, zlib.crc32(prefix, self._crc))

@@ -1,4 +1,5 @@
-"""`deltaserve journal show|diff`: reading journals step by step."""
+"""`deltaserve journal show|diff`: reading journals step by step. Both show what is readable,
+then report a damaged (or truncated) journal on one line and return 1."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,28 +65,36 @@ def show(path: str, out: Print = print) -> int:
 
 
 def diff(path_a: str, path_b: str, out: Print = print) -> int:
-    """The first step where two journals differ (step messages or answers); 0 if none."""
+    """The first step where two journals differ (step messages or answers), then any damage
+    of either journal; 0 if they agree and both are intact."""
     a, b = RecordedRun(path_a), RecordedRun(path_b)
+    differs = _first_difference(a, b, out)
+    for run in (a, b):
+        if run.damage is not None:
+            out(f"error: {run.damage}")
+    if differs or a.damage is not None or b.damage is not None:
+        return 1
+    out(f"no difference in {len(a.steps)} steps")
+    return 0
+
+
+def _first_difference(a: RecordedRun, b: RecordedRun, out: Print) -> bool:
+    names = (a.path, b.path)
     for sa, sb in zip(a.steps, b.steps):
         if sa.frame != sb.frame:
             out(f"step {sa.step}: the step messages differ\n"
                 + unified_diff(readable(sa.scheduler_output), readable(sb.scheduler_output),
-                               (path_a, path_b)))
-            return 1
+                               names))
+            return True
         if _answer(sa) != _answer(sb):
             out(f"step {sa.step}: the model outputs differ\n"
-                + unified_diff(_answer(sa), _answer(sb), (path_a, path_b)))
-            return 1
+                + unified_diff(_answer(sa), _answer(sb), names))
+            return True
     if len(a.steps) != len(b.steps):
         out(f"the journals agree for {min(len(a.steps), len(b.steps))} steps, then one ends "
             f"({len(a.steps)} vs {len(b.steps)} steps)")
-        return 1
-    for run in (a, b):
-        if run.damage is not None:
-            out(f"error: {run.path}: {run.damage}")
-            return 1
-    out(f"no difference in {len(a.steps)} steps")
-    return 0
+        return True
+    return False
 
 
 def _answer(step: RecordedStep) -> str:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from protocol import (AbortRequests, AddRequest, AddRequests, Channel, EngineReady,
                       ModelRunnerOutput, SchedulerOutput, to_builtins)
-from protocol.journal import JournalError, JournalHeader, JournalReader, JournalRecord
+from protocol.journal import JournalError, JournalHeader, JournalRecord, JournalTruncated
+from protocol.journal_reader import JournalReader
 
 
 @dataclass(slots=True)
@@ -22,7 +23,8 @@ class RecordedStep:
 
 class RecordedRun:
     """Every record of a journal, plus its steps in order. A damaged journal keeps what was
-    readable before the damage; `damage` holds the error (with its byte offset)."""
+    readable before the damage; `damage` holds the error (with its byte offset). A journal
+    whose header cannot be read raises JournalError here: there is nothing to keep."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -48,11 +50,19 @@ class RecordedRun:
                 if r.message.step in by_step:
                     by_step[r.message.step].model_runner_output = r.message
 
-    def require_intact(self) -> None:
-        if self.damage is not None:
+    @property
+    def truncated(self) -> bool:
+        """The journal just ends (no trailer): what is there is intact."""
+        return isinstance(self.damage, JournalTruncated)
+
+    def require_intact(self, allow_truncated: bool = False) -> None:
+        """Raise unless the journal is complete (or only truncated, if that is allowed) and
+        the engine got as far as being ready."""
+        if self.damage is not None and not (allow_truncated and self.truncated):
             raise self.damage
         if self.ready is None:
-            raise JournalError("the journal ends before the engine was ready", 0)
+            end = self.damage.offset if self.damage is not None else None
+            raise JournalError(self.path, "the journal ends before the engine was ready", end)
 
     def frontend_messages(self, record: JournalRecord) -> list[AddRequest | AbortRequests]:
         """What a front-end frame asked the engine to do (nothing for malformed frames)."""

@@ -14,19 +14,33 @@ from common.process import make_runtime_dir
 from replay.recorded_run import Print, RecordedRun, readable, unified_diff
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 
+_TRUNCATED = "the journal is truncated: only what it holds was replayed"
+
+
+def open_run(path: str, allow_truncated: bool = False, out: Print = print) -> RecordedRun:
+    """A journal fit for replay: complete, or truncated if allowed (then said so)."""
+    run = RecordedRun(path)
+    run.require_intact(allow_truncated)
+    if run.truncated:
+        out(f"warning: {run.damage}; replaying the {len(run.steps)} steps before it")
+    return run
+
 
 def replay_workers(path: str, model: str | None = None, tensor_parallel_size: int | None = None,
-                   until_step: int | None = None, out: Print = print) -> int:
+                   until_step: int | None = None, out: Print = print,
+                   allow_truncated: bool = False) -> int:
     """Feed the recorded steps to fresh workers and compare their answers with the recorded
-    ones. 0 when every step matches, 1 at the first divergence (printed)."""
-    run = RecordedRun(path)
-    run.require_intact()
+    ones. 0 when every step matches, 1 at the first divergence (printed). A truncated
+    journal (if allowed) is replayed up to its last answered step."""
+    run = open_run(path, allow_truncated, out)
     config = msgspec.structs.replace(
         run.header.engine_config, model=model or run.header.engine_config.model,
         tensor_parallel_size=tensor_parallel_size or run.header.world_size,
         num_gpu_blocks_override=run.ready.num_blocks, max_model_len=run.ready.max_model_len,
         kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None)
     steps = [s for s in run.steps if until_step is None or s.step <= until_step]
+    while run.truncated and steps and steps[-1].model_runner_output is None:
+        steps.pop()  # sent, but the journal ends before its answer
     names = run.request_names()
     context, runtime_dir = zmq.Context(), make_runtime_dir()
     workers = WorkerGroup(config, context, runtime_dir)
@@ -39,7 +53,7 @@ def replay_workers(path: str, model: str | None = None, tensor_parallel_size: in
                 out(f"step {step.step} diverges:\n{problem}")
                 return 1
         out(f"all {len(steps)} steps match ({os.path.basename(path)}, tensor parallel "
-            f"{config.tensor_parallel_size})")
+            f"{config.tensor_parallel_size}{'; ' + _TRUNCATED if run.truncated else ''})")
         return 0
     finally:
         workers.shutdown()
@@ -59,11 +73,10 @@ def _compare_outputs(recorded: ModelRunnerOutput | None, got: ModelRunnerOutput,
     return "\n".join(lines)
 
 
-def replay_scheduler(path: str, out: Print = print) -> int:
+def replay_scheduler(path: str, out: Print = print, allow_truncated: bool = False) -> int:
     """Feed the recorded requests and model answers into a fresh scheduler; its step messages
     must be byte-identical to the recorded ones. 0 if so, 1 at the first difference."""
-    run = RecordedRun(path)
-    run.require_intact()
+    run = open_run(path, allow_truncated, out)
     engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
                                     run.ready.max_model_len, run.ready.vocab_size)
     codec = Codec(Channel.CORE_TO_WORKER)
@@ -83,19 +96,20 @@ def replay_scheduler(path: str, out: Print = print) -> int:
         elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 \
                 and record.message.step in pending:
             engine.scheduler.update_from_output(pending.pop(record.message.step), record.message)
-    out(f"all {steps} scheduler steps are byte-identical")
+    out(f"all {steps} scheduler steps are byte-identical"
+        + (f" ({_TRUNCATED})" if run.truncated else ""))
     return 0
 
 
-def dump_step(path: str, step: int, out_dir: str, out: Print = print) -> int:
+def dump_step(path: str, step: int, out_dir: str, out: Print = print,
+              allow_truncated: bool = False) -> int:
     """Write a worker's inputs for `step` (token batch, positions, slots, block table,
     sampling params) as .npy/.json files, rebuilt from the recorded messages alone."""
     import torch
 
     from worker.input_batch import InputBatch
     from worker.step_inputs import prepare_step
-    run = RecordedRun(path)
-    run.require_intact()
+    run = open_run(path, allow_truncated, out)
     config = run.header.engine_config
     batch = InputBatch(run.ready.max_model_len, config.block_size, torch.device("cpu"))
     for recorded in run.steps:

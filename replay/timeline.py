@@ -96,7 +96,7 @@ def draw(path: str, output: str) -> int:
                loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=6, frameon=False)
     mid.bar(steps, [r.tokens for r in rows], width=1.0, color="#3b6fd4")
     mid.set_ylabel("tokens/step")
-    total = (run.ready.num_blocks - 1) if run.ready else max(r.kv_blocks for r in rows)
+    total = (run.ready.num_blocks - 1) if run.ready else max((r.kv_blocks for r in rows), default=0)
     low.plot(steps, [r.kv_blocks / max(total, 1) * 100 for r in rows], color="#d9453b")
     low.set_ylabel("KV used %")
     low.set_ylim(0, 105)
@@ -105,4 +105,7 @@ def draw(path: str, output: str) -> int:
     fig.savefig(output, dpi=110)
     plt.close(fig)
     print(f"wrote {output}: {len(ids)} requests over {len(steps)} steps")
+    if run.damage is not None:  # drawn from what was readable
+        print(f"error: {run.damage}")
+        return 1
     return 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 
 import msgspec
 import numpy as np
@@ -13,7 +15,10 @@ from replay import journal_tools, replay, timeline
 from replay.recorded_run import RecordedRun
 from model_utils import make_tiny_model
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
-from protocol.journal import JournalError, JournalReader, JournalRecord, JournalWriter
+from launch.cli import main as cli_main
+from protocol.journal import (PREFIX, RECORD, TRAILER_BODY, JournalError, JournalRecord,
+                              JournalTruncated, JournalWriter)
+from protocol.journal_reader import JournalReader
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",
            "def add(a, b):\n    return", "print('hello"] * 2
@@ -204,3 +209,147 @@ def test_show_timeline_and_dump(recorded, tmp_path, capsys):
     assert meta["step"] == 4 and sum(meta["query_lens"]) == so.total_num_scheduled_tokens
     assert all("temperature" in r["sampling_params"] or r["sampling_params"] is not None
                for r in meta["requests"])
+
+
+# --- damaged journals: each error is one line naming the file and the byte offset -----------
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _refused(capsys, path: str, *needles: str, readable: bool = False) -> None:
+    """`replay` refuses the journal with one line (exit 2); so does `journal show`, or, if
+    the damage is after a `readable` header, it shows what it can and ends with that line
+    (exit 1)."""
+    code, out, err = _cli(capsys, "replay", path, "--scheduler-only", "--allow-truncated")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith(f"deltaserve: error: {path}: ") and "Traceback" not in err
+    assert all(n in err for n in needles), err
+    code, out, err = _cli(capsys, "journal", "show", path)
+    line = out.splitlines()[-1] if readable else err.strip()
+    assert (code, len(err.splitlines())) == ((1, 0) if readable else (2, 1)), (out, err)
+    assert line.startswith(("error: " if readable else "deltaserve: error: ") + f"{path}: ")
+    assert all(n in line for n in needles), line
+
+
+def _layout(path: str) -> tuple[bytes, list[int]]:
+    """The journal's bytes and where each record starts (the first one: the header's end)."""
+    return open(path, "rb").read(), [r.offset for r in JournalReader(path).records()]
+
+
+def _write(tmp_path, name: str, data: bytes) -> str:
+    path = str(tmp_path / name)
+    open(path, "wb").write(data)
+    return path
+
+
+def test_the_recording_ends_with_its_trailer(recorded):
+    path, _ = recorded
+    data, offsets = _layout(path)
+    count, _ = TRAILER_BODY.unpack_from(data, len(data) - TRAILER_BODY.size)
+    assert count == len(offsets) and data[-TRAILER_BODY.size - RECORD.size + 8] == 0xFF
+
+
+@pytest.mark.parametrize("where", ["record boundary", "header end", "mid-record"])
+def test_truncation_is_reported_where_the_file_ends(recorded, tmp_path, capsys, where):
+    path, _ = recorded
+    data, offsets = _layout(path)
+    middle = offsets[len(offsets) // 2]
+    cut = {"record boundary": middle, "header end": offsets[0], "mid-record": middle + 7}[where]
+    short = _write(tmp_path, "short.journal", data[:cut])
+    run = RecordedRun(short)
+    assert isinstance(run.damage, JournalTruncated) and run.damage.offset == cut
+    assert len(run.records) == (0 if where == "header end" else offsets.index(middle))
+    err = _refused_replay(capsys, short)
+    assert "truncated" in err and f"at byte offset {cut}" in err
+    code, out, err = _cli(capsys, "journal", "show", short)  # readable part, then the damage
+    assert code == 1 and err == ""
+    assert out.splitlines()[-1] == f"error: {run.damage}"
+    assert len(out.splitlines()) == 3 + len(run.steps)
+
+
+def _refused_replay(capsys, path: str) -> str:
+    code, out, err = _cli(capsys, "replay", path, "--scheduler-only")
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (out, err)
+    return err
+
+
+def test_allow_truncated_replays_what_is_there(recorded, tmp_path, capsys):
+    path, _ = recorded
+    data, offsets = _layout(path)
+    half = _write(tmp_path, "half.journal", data[:offsets[len(offsets) // 2] + 5])
+    steps = len(RecordedRun(half).steps)
+    assert 2 < steps < len(RecordedRun(path).steps)
+    code, out, _ = _cli(capsys, "replay", half, "--allow-truncated")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith(f"warning: {half}: truncated"), out
+    assert "steps match" in lines[-1] and "truncated" in lines[-1]
+    code, out, _ = _cli(capsys, "replay", half, "--scheduler-only", "--allow-truncated")
+    assert code == 0 and f"all {steps} scheduler steps are byte-identical" in out
+
+
+def test_diff_and_timeline_report_truncation(recorded, tmp_path, capsys):
+    path, _ = recorded
+    data, offsets = _layout(path)
+    half = _write(tmp_path, "half.journal", data[:offsets[len(offsets) // 2]])
+    code, out, _ = _cli(capsys, "journal", "diff", path, half)
+    assert code == 1 and out.splitlines()[-1].startswith(f"error: {half}: truncated")
+    code, out, _ = _cli(capsys, "journal", "timeline", half, "-o", str(tmp_path / "t.png"))
+    assert code == 1 and out.splitlines()[-1].startswith(f"error: {half}: truncated")
+    assert os.path.getsize(tmp_path / "t.png") > 0
+
+
+def _with_trailer(body: bytes, count: int, crc: int) -> bytes:
+    """`body` (header and records) followed by a trailer claiming `count` and `crc`."""
+    meta = struct.pack("<BBQQ", 0xFF, 255, 0, 0)
+    tail = TRAILER_BODY.pack(count, crc)
+    return body + PREFIX.pack(len(tail), zlib.crc32(tail, zlib.crc32(meta))) + meta + tail
+
+
+def test_a_trailer_that_disagrees_is_corruption(recorded, tmp_path, capsys):
+    path, _ = recorded
+    data, offsets = _layout(path)
+    body = data[:len(data) - RECORD.size - TRAILER_BODY.size]
+    # A whole record cut out of the middle: every record is sound, the count is not.
+    spliced = body[:offsets[3]] + body[offsets[4]:]
+    fake = _write(tmp_path, "spliced.journal", _with_trailer(spliced, len(offsets),
+                                                              zlib.crc32(spliced)))
+    _refused(capsys, fake, "trailer counts", f"at byte offset {len(spliced)}", readable=True)
+    # A record changed with its own checksum fixed: only the whole-journal checksum sees it.
+    start = offsets[3] + RECORD.size
+    frame = bytearray(body[start:offsets[4]])
+    frame[-1] ^= 0x01
+    meta = body[offsets[3] + 8:start]
+    edited = (body[:offsets[3]] + PREFIX.pack(len(frame), zlib.crc32(frame, zlib.crc32(meta)))
+              + meta + bytes(frame) + body[offsets[4]:])
+    original = data[len(body) + RECORD.size:]
+    fake = _write(tmp_path, "edited.journal", _with_trailer(
+        edited, len(offsets), TRAILER_BODY.unpack(original)[1]))
+    _refused(capsys, fake, "do not match its checksum", f"at byte offset {len(edited)}",
+             readable=True)
+    _refused(capsys, _write(tmp_path, "tail.journal", data + b"\0"), "after the trailer",
+             f"at byte offset {len(data)}", readable=True)
+
+
+def test_headers_and_files_that_are_not_journals(recorded, tmp_path, capsys):
+    path, _ = recorded
+    data, _ = _layout(path)
+    bogus = msgspec.msgpack.encode([1, 2, 3])  # a valid checksum over the wrong shape
+    start = len(b"DSJRNL02") + PREFIX.size
+    _refused(capsys, _write(tmp_path, "bogus.journal", b"DSJRNL02" + PREFIX.pack(
+        len(bogus), zlib.crc32(bogus)) + bogus), "not a JournalHeader", "got `array`",
+        f"at byte offset {start}")
+    _refused(capsys, _write(tmp_path, "old.journal", b"DSJRNL01" + data[8:]), "DSJRNL01",
+             "DSJRNL02", "at byte offset 0")
+    _refused(capsys, _write(tmp_path, "png.journal", b"\x89PNG\r\n\x1a\n" + data[8:]),
+             "not a deltaserve journal", "at byte offset 0")
+    _refused(capsys, _write(tmp_path, "cut.journal", data[:start + 5]), "truncated or "
+             "corrupted header", "at byte offset 8")
+    _refused(capsys, str(tmp_path), "is a directory")
+    _refused(capsys, str(tmp_path / "missing.journal"), "no such file")
+    unreadable = _write(tmp_path, "locked.journal", data)
+    os.chmod(unreadable, 0)
+    if not os.access(unreadable, os.R_OK):  # root reads anything
+        _refused(capsys, unreadable, "cannot be read")
