@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from protocol.int_column import IntColumn
-from protocol.scheduler_output import (CachedRequestData, NewRequestData, SchedulerOutput,
-                                       TokenCounts)
+from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -69,9 +68,8 @@ class StepPlan:
         cached = CachedRequestData(IntColumn.for_bound(req_ids, max_handle),
                                    IntColumn.for_bound(num_computed, max_model_len),
                                    new_block_ids, self.resumed)
-        total = sum(counts)
-        counts = TokenCounts(IntColumn.narrowest(counts))
-        return SchedulerOutput(new_reqs, cached, counts, total, finished_req_ids,
+        return SchedulerOutput(new_reqs, cached, IntColumn.narrowest(counts), sum(counts),
+                               finished_req_ids,
                                self.preempted, step)
 
 

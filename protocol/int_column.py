@@ -9,7 +9,7 @@ _TYPECODES = ("B", "H", "I", "Q")  # 1, 2, 4, 8 bytes, unsigned
 
 
 class IntColumn(array):
-    """An `array.array` of unsigned ints that compares equal to a list of the same values.
+    """An `array.array` of unsigned ints (equal to another array of the same values).
 
     On the wire it is one msgpack bin: the typecode byte, then the values little-endian, so a
     step's column of token counts decodes without allocating an int per request, and a worker
@@ -48,19 +48,6 @@ class IntColumn(array):
         if sys.byteorder != "little":
             column.byteswap()
         return column
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, array):
-            return self.tolist() == other.tolist()
-        if isinstance(other, (list, tuple)):
-            return self.tolist() == list(other)
-        return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"IntColumn({self.tolist()})"
