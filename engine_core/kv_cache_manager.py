@@ -34,10 +34,6 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
 
     @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_blocks - 1
 
@@ -113,9 +109,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """Audit the pool against the ref counts implied by every request's block list."""

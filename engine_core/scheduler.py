@@ -81,7 +81,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            outputs.append(EngineCoreOutput(request_id, [], request.get_finished_reason(),
+            outputs.append(EngineCoreOutput(request_id, [], FINISH_REASONS[status],
                                             num_cached_tokens=max(request.num_cached_tokens, 0)))
             self._free_request(request)
         if stopped:
@@ -104,7 +104,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
         output = plan.build(self.step, finished, self.kv_cache_manager, self.handles.bound,
-                            self.max_model_len, self.async_scheduling)
+                            self.max_model_len)
+        self._update_after_schedule(plan)
         # Reusable from the next step on. Under async scheduling at most one step is in flight
         # while this one is scheduled, and it is collected before the next is scheduled, so
         # no late answer can reach a request that took over one of these handles.
@@ -187,6 +188,15 @@ class Scheduler:
             else:
                 plan.add_new(request, n)
 
+    def _update_after_schedule(self, plan: StepPlan) -> None:
+        """Advance each scheduled request's `num_computed_tokens` by its tokens; under async
+        scheduling, count the token a request that reaches its end will sample."""
+        for request, n in plan.scheduled():
+            request.num_computed_tokens += n
+            if self.async_scheduling and (request.num_computed_tokens
+                                          == request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         computed, pending = request.num_computed_tokens, request.num_output_placeholders
         if pending and (request.num_output_tokens + pending >= request.max_tokens
@@ -222,7 +232,6 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
-        victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
         plan.preempted.append(victim.req_id)
@@ -262,9 +271,6 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting),
                               pool.num_blocks - 1 - pool.get_num_free_blocks(),
                               pool.num_blocks - 1, self.num_preemptions)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """Audit scheduler state and the block pool; raises IntegrityError on inconsistency."""

@@ -41,11 +41,8 @@ class StepPlan:
             self.budget += entry[1]
 
     def build(self, step: int, finished_req_ids: list[int], kv_cache_manager: KVCacheManager,
-              max_handle: int, max_model_len: int, placeholders: bool = False,
-              ) -> SchedulerOutput:
-        """Make the step message and advance each request's `num_computed_tokens`; with
-        `placeholders` (async scheduling), count the token each request that reaches its end
-        will sample."""
+              max_handle: int, max_model_len: int) -> SchedulerOutput:
+        """The step message; `num_computed_tokens` are the counts before this step's tokens."""
         new_reqs, counts = [], []
         for request, n in self.new.values():
             new_reqs.append(NewRequestData(
@@ -53,26 +50,21 @@ class StepPlan:
                 request.sampling_params, kv_cache_manager.get_block_ids(request.request_id),
                 request.num_computed_tokens, request.eos_token_id))
             counts.append(n)
-            request.num_computed_tokens += n
-            if placeholders:
-                _add_placeholder(request)
         req_ids, num_computed, new_block_ids = [], [], []
         for req_id, (request, n, block_ids) in self.running.items():
             req_ids.append(req_id)
             num_computed.append(request.num_computed_tokens)
             new_block_ids.append(block_ids)
             counts.append(n)
-            request.num_computed_tokens += n
-            if placeholders:
-                _add_placeholder(request)
         cached = CachedRequestData(IntColumn.for_bound(req_ids, max_handle),
                                    IntColumn.for_bound(num_computed, max_model_len),
                                    new_block_ids, self.resumed)
         return SchedulerOutput(new_reqs, cached, IntColumn.narrowest(counts), sum(counts),
-                               finished_req_ids,
-                               self.preempted, step)
+                               finished_req_ids, self.preempted, step)
 
-
-def _add_placeholder(request: Request) -> None:
-    if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-        request.num_output_placeholders += 1
+    def scheduled(self):
+        """(request, num_tokens) of every scheduled request, in step order."""
+        for request, n in self.new.values():
+            yield request, n
+        for request, n, _ in self.running.values():
+            yield request, n
