@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from engine_core.block_pool import IntegrityError
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.handle_allocator import HandleAllocator
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
+from engine_core.request_table import RequestTable
 from engine_core.step_plan import StepPlan
 from engine_core.stop_check import check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
@@ -49,6 +52,8 @@ class Scheduler:
         self.finished_req_ids: list[int] = []  # handles to announce in the next step
         self.handles = HandleAllocator()
         self.requests_by_handle: dict[int, Request] = {}
+        self.table = RequestTable()  # counters of requests with a handle
+        self._handles_of_running: np.ndarray | None = None  # cache of _running_handles()
         self.step = 0
         self.num_preemptions = 0
         self.async_scheduling = scheduler_config.async_scheduling
@@ -63,6 +68,7 @@ class Scheduler:
                      self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
+        request.length_end = min(request.length_end, self.max_seq_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -86,6 +92,7 @@ class Scheduler:
             self._free_request(request)
         if stopped:
             self.running = [r for r in self.running if not r.is_finished()]
+            self._handles_of_running = None
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -103,8 +110,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        output = plan.build(self.step, finished, self.kv_cache_manager, self.handles.bound,
-                            self.max_model_len)
+        output = plan.build(self.step, finished, self.kv_cache_manager, self.table,
+                            self.handles.bound, self.max_model_len)
         self._update_after_schedule(plan)
         # Reusable from the next step on. Under async scheduling at most one step is in flight
         # while this one is scheduled, and it is collected before the next is scheduled, so
@@ -117,37 +124,82 @@ class Scheduler:
         """Append sampled tokens, stop finished requests and report what changed."""
         outputs: list[EngineCoreOutput] = []
         logprobs = model_runner_output.logprobs
-        by_handle, finished = self.requests_by_handle, False
+        by_handle = self.requests_by_handle
+        irregular: list[int] = []  # entries that did not append exactly one token
+        stopped: list[tuple[Request, bool]] = []  # (request, was waiting), in output order
         for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
                                                     model_runner_output.sampled_token_ids)):
             request = by_handle.get(req_id)
-            if not token_ids or request is None:
-                continue  # a prefill chunk short of the prompt's end, or aborted meanwhile
+            if request is None or len(token_ids) != 1:
+                irregular.append(i)
+                if request is None or not token_ids:
+                    continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
             # A request preempted after this step was scheduled still takes its token: the
             # workers appended it too.
-            was_waiting = request.status == RequestStatus.PREEMPTED
-            if request.num_output_placeholders:  # 0 if preempted since: the count restarted
-                request.num_output_placeholders -= 1
-            new_token_ids = self._append_tokens(request, token_ids)
-            reason = FINISH_REASONS.get(request.status)
-            outputs.append(EngineCoreOutput(request.request_id, new_token_ids, reason,
+            if len(token_ids) == 1:
+                token = token_ids[0]
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                if request.num_output_placeholders:  # 0 if preempted since: the count restarted
+                    request.num_output_placeholders -= 1
+                reason = None
+                if token in request.stop_tokens or len(request.all_token_ids) >= request.length_end:
+                    reason = self._check_stop(request, token, stopped)
+            else:
+                token_ids, reason = self._append_tokens(request, token_ids, stopped)
+            outputs.append(EngineCoreOutput(request.request_id, token_ids, reason,
                                             request.stop_reason,
                                             logprobs[i] if logprobs else None,
                                             request.num_cached_tokens))
-            if reason is not None:
-                if was_waiting:
-                    self.waiting.remove(request)
-                self._free_request(request)
-                finished = True
-        if finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self.table.record_sampled(_single_token_rows(scheduler_output, model_runner_output,
+                                                     irregular))
+        if stopped:
+            self._finish_stopped(stopped)
         return outputs
 
     # --- scheduling helpers ----------------------------------------------------------------
 
     def _schedule_running(self, plan: StepPlan) -> None:
+        """All running requests in one vectorized pass; only those whose step needs the KV
+        cache manager (a new block, a full block to publish) are visited one by one. If the
+        cache runs out, the rest goes through `_schedule_running_from` (preemption)."""
         running, kv = self.running, self.kv_cache_manager
-        i = 0
+        if not running:
+            return
+        handles = self._running_handles()
+        take, needs_kv = self.table.schedule_pass(handles, plan.budget, self.max_model_len,
+                                                  self.long_prefill_token_threshold)
+        new_block_ids: dict[int, list[int]] = {}
+        for i in np.flatnonzero(needs_kv).tolist():
+            request = running[i]
+            block_ids = kv.allocate_slots(request, int(take[i]))
+            if block_ids is None:
+                self._plan_running(plan, handles[:i], take[:i], new_block_ids)
+                self._schedule_running_from(plan, i)
+                return
+            self.table.sync_blocks(request, kv)
+            if block_ids:
+                new_block_ids[i] = block_ids
+        self._plan_running(plan, handles, take, new_block_ids)
+
+    def _plan_running(self, plan: StepPlan, handles: np.ndarray, take: np.ndarray,
+                      new_block_ids: dict[int, list[int]]) -> None:
+        """Add `running[i]` with `take[i]` tokens to the plan for every i where it is > 0."""
+        chosen = np.flatnonzero(take)
+        indices = chosen.tolist()
+        running = self.running
+        requests = running[:] if len(indices) == len(running) else [running[i] for i in indices]
+        blocks: list[list[int] | None] = [None] * len(indices)
+        if new_block_ids:
+            position = np.cumsum(take > 0) - 1  # running index -> index among the chosen
+            for i, block_ids in new_block_ids.items():
+                blocks[position[i]] = block_ids
+        plan.extend_running(handles[chosen], requests, take[chosen], blocks)
+
+    def _schedule_running_from(self, plan: StepPlan, i: int) -> None:
+        """The running requests from index i on, one at a time, preempting when the cache is
+        full (the same decisions `schedule_pass` makes, plus preemption)."""
+        running, kv = self.running, self.kv_cache_manager
         while i < len(running) and plan.budget > 0:
             request = running[i]
             n = self._num_new_tokens(request, plan.budget)
@@ -160,8 +212,8 @@ class Scheduler:
                 if new_block_ids is None:
                     break  # it preempted itself: nothing after it can be served either
                 i = running.index(request)  # victims may have stood before it
-            plan.running[request.req_id] = (request, n, new_block_ids or None)
-            plan.budget -= n
+            self.table.sync_blocks(request, kv)
+            plan.add_running(request, n, new_block_ids or None)
             i += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -191,11 +243,13 @@ class Scheduler:
     def _update_after_schedule(self, plan: StepPlan) -> None:
         """Advance each scheduled request's `num_computed_tokens` by its tokens; under async
         scheduling, count the token a request that reaches its end will sample."""
-        for request, n in plan.scheduled():
-            request.num_computed_tokens += n
-            if self.async_scheduling and (request.num_computed_tokens
-                                          == request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1
+        requests, handles, counts = plan.scheduled()
+        computed, pending = self.table.advance(handles, counts, self.async_scheduling)
+        for request, num_computed in zip(requests, computed):
+            request.num_computed_tokens = num_computed
+        if pending is not None:
+            for request, num_pending in zip(requests, pending):
+                request.num_output_placeholders = num_pending
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         computed, pending = request.num_computed_tokens, request.num_output_placeholders
@@ -227,11 +281,13 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         """Recompute preemption: drop the KV, rewind, and queue at the front."""
         self.running.remove(victim)
+        self._handles_of_running = None
         plan.drop(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
+        self.table.preempt(victim, self.kv_cache_manager)
         self.num_preemptions += 1
         self.waiting.prepend(victim)
         plan.preempted.append(victim.req_id)
@@ -244,18 +300,54 @@ class Scheduler:
             request.num_cached_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
+        self.table.admit(request, self.kv_cache_manager)
         self.running.append(request)
+        self._handles_of_running = None
+
+    def _running_handles(self) -> np.ndarray:
+        """The handles of `running`, in order (rebuilt after the list changes)."""
+        if self._handles_of_running is None:
+            self._handles_of_running = np.fromiter((r.req_id for r in self.running), np.int64,
+                                                   len(self.running))
+        return self._handles_of_running
 
     # --- update helpers ---------------------------------------------------------------------
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append tokens up to and including the first that stops the request."""
+    def _check_stop(self, request: Request, token_id: int,
+                    stopped: list[tuple[Request, bool]]) -> str | None:
+        """After appending `token_id`: if it ends the request, list it in `stopped` (with
+        whether it was waiting) and return the finish reason."""
+        was_waiting = request.status == RequestStatus.PREEMPTED
+        if not check_stop(request, token_id, self.max_seq_len):
+            return None
+        stopped.append((request, was_waiting))
+        return FINISH_REASONS[request.status]
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       stopped: list[tuple[Request, bool]]) -> tuple[list[int], str | None]:
+        """Append several tokens up to and including the first that stops the request; the
+        request's row in the table follows."""
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1
+        reason = None
         for k, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
-            if check_stop(request, token_id, self.max_seq_len):
-                return token_ids[:k + 1]
-        return token_ids
+            reason = self._check_stop(request, token_id, stopped)
+            if reason is not None:
+                token_ids = token_ids[:k + 1]
+                break
+        self.table.num_tokens[request.req_id] = request.num_tokens
+        self.table.placeholders[request.req_id] = request.num_output_placeholders
+        return token_ids, reason
+
+    def _finish_stopped(self, stopped: list[tuple[Request, bool]]) -> None:
+        for request, was_waiting in stopped:
+            if was_waiting:
+                self.waiting.remove(request)
+            self._free_request(request)
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self._handles_of_running = None
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -284,4 +376,27 @@ class Scheduler:
         if any(r.num_computed_tokens > r.num_tokens + r.num_output_placeholders
                for r in self.running):
             raise IntegrityError("a request computed more tokens than it has")
+        if self._handles_of_running is not None and (
+                self._handles_of_running.tolist() != [r.req_id for r in self.running]):
+            raise IntegrityError("the cached handles of running requests are stale")
+        mismatches = self.table.check(list(self.requests_by_handle.values()),
+                                      self.kv_cache_manager)
+        if mismatches:
+            raise IntegrityError(f"request table disagrees: {mismatches[:3]}")
         self.kv_cache_manager.check_integrity()
+
+
+def _single_token_rows(scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+                       irregular: list[int]) -> np.ndarray:
+    """The handles of the answer's entries except `irregular` ones. Workers answer in the
+    step's request order, whose handles the step message holds as a packed column."""
+    req_ids = model_runner_output.req_ids
+    if req_ids == scheduler_output.scheduled_req_ids:
+        column = scheduler_output.scheduled_cached_reqs.req_ids
+        rows = np.frombuffer(column, column.typecode).astype(np.int64)
+        if scheduler_output.scheduled_new_reqs:
+            new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            rows = np.concatenate((np.array(new, np.int64), rows))
+    else:
+        rows = np.array(req_ids, np.int64)
+    return np.delete(rows, irregular) if irregular else rows

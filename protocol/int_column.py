@@ -19,13 +19,26 @@ class IntColumn(array):
     def __new__(cls, values: Iterable[int] = (), typecode: str = "I") -> IntColumn:
         return super().__new__(cls, typecode, values)
 
+    @staticmethod
+    def typecode_for(bound: int) -> str:
+        """The narrowest typecode for values below `bound`."""
+        for code in _TYPECODES:
+            if bound <= 1 << (8 * array(code).itemsize):
+                return code
+        raise OverflowError(f"no integer column holds values up to {bound}")
+
     @classmethod
     def for_bound(cls, values: Iterable[int], bound: int) -> IntColumn:
         """The narrowest column for values below `bound`."""
-        for code in _TYPECODES:
-            if bound <= 1 << (8 * array(code).itemsize):
-                return cls(values, code)
-        raise OverflowError(f"no integer column holds values up to {bound}")
+        return cls(values, cls.typecode_for(bound))
+
+    @classmethod
+    def from_native_bytes(cls, typecode: str, data: bytes) -> IntColumn:
+        """A column of `typecode` over values in this machine's byte order (e.g. a numpy
+        array's `astype(typecode).tobytes()`)."""
+        column = cls((), typecode)
+        column.frombytes(data)
+        return column
 
     @classmethod
     def narrowest(cls, values: Iterable[int]) -> IntColumn:
