@@ -5,6 +5,8 @@ import numpy as np
 
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
+from protocol.model_runner_output import ModelRunnerOutput
+from protocol.scheduler_output import SchedulerOutput
 
 _NEVER = np.iinfo(np.int64).max
 
@@ -120,3 +122,19 @@ class RequestTable:
             grown = np.zeros(rows, np.int64)
             grown[:len(old)] = old
             setattr(self, name, grown)
+
+
+def answer_rows(scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+                skip: list[int]) -> np.ndarray:
+    """The handles of the answer's entries, without the entries at indices `skip`. Workers
+    answer in the step's request order, whose handles the step message holds packed."""
+    req_ids = model_runner_output.req_ids
+    if req_ids == scheduler_output.scheduled_req_ids:
+        column = scheduler_output.scheduled_cached_reqs.req_ids
+        rows = np.frombuffer(column, column.typecode).astype(np.int64)
+        if scheduler_output.scheduled_new_reqs:
+            new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            rows = np.concatenate((np.array(new, np.int64), rows))
+    else:
+        rows = np.array(req_ids, np.int64)
+    return np.delete(rows, skip) if skip else rows

@@ -5,15 +5,15 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from engine_core.block_pool import IntegrityError
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.handle_allocator import HandleAllocator
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
-from engine_core.request_table import RequestTable
+from engine_core.request_table import RequestTable, answer_rows
+from engine_core.scheduler_audit import audit_scheduler
 from engine_core.step_plan import StepPlan
-from engine_core.stop_check import check_stop
+from engine_core.stop_check import append_tokens, check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
@@ -151,8 +151,7 @@ class Scheduler:
                                             request.stop_reason,
                                             logprobs[i] if logprobs else None,
                                             request.num_cached_tokens))
-        self.table.record_sampled(_single_token_rows(scheduler_output, model_runner_output,
-                                                     irregular))
+        self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
         if stopped:
             self._finish_stopped(stopped)
         return outputs
@@ -160,61 +159,36 @@ class Scheduler:
     # --- scheduling helpers ----------------------------------------------------------------
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        """All running requests in one vectorized pass; only those whose step needs the KV
-        cache manager (a new block, a full block to publish) are visited one by one. If the
-        cache runs out, the rest goes through `_schedule_running_from` (preemption)."""
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            i = self._schedule_running_from(plan, i)
+
+    def _schedule_running_from(self, plan: StepPlan, start: int) -> int:
+        """Running requests from index `start` on, in one vectorized pass; only those whose
+        step needs the KV cache manager (a new block, a full block to publish) are visited
+        one by one. If the cache runs out, victims are preempted and the index to go on
+        from is returned (the end of `running` when the pass completed)."""
         running, kv = self.running, self.kv_cache_manager
-        if not running:
-            return
-        handles = self._running_handles()
+        handles = self._running_handles()[start:]
         take, needs_kv = self.table.schedule_pass(handles, plan.budget, self.max_model_len,
                                                   self.long_prefill_token_threshold)
         new_block_ids: dict[int, list[int]] = {}
         for i in np.flatnonzero(needs_kv).tolist():
-            request = running[i]
-            block_ids = kv.allocate_slots(request, int(take[i]))
+            request, n = running[start + i], int(take[i])
+            block_ids = kv.allocate_slots(request, n)
             if block_ids is None:
-                self._plan_running(plan, handles[:i], take[:i], new_block_ids)
-                self._schedule_running_from(plan, i)
-                return
+                plan.add_running_pass(handles[:i], take[:i], running, start, new_block_ids)
+                block_ids = self._preempt_until_fits(request, n, plan)
+                if block_ids is None:
+                    return len(running)  # it preempted itself: nothing after it can run
+                self.table.sync_blocks(request, kv)
+                plan.add_running(request, n, block_ids or None)
+                return running.index(request) + 1  # victims may have stood before it
             self.table.sync_blocks(request, kv)
             if block_ids:
                 new_block_ids[i] = block_ids
-        self._plan_running(plan, handles, take, new_block_ids)
-
-    def _plan_running(self, plan: StepPlan, handles: np.ndarray, take: np.ndarray,
-                      new_block_ids: dict[int, list[int]]) -> None:
-        """Add `running[i]` with `take[i]` tokens to the plan for every i where it is > 0."""
-        chosen = np.flatnonzero(take)
-        indices = chosen.tolist()
-        running = self.running
-        requests = running[:] if len(indices) == len(running) else [running[i] for i in indices]
-        blocks: list[list[int] | None] = [None] * len(indices)
-        if new_block_ids:
-            position = np.cumsum(take > 0) - 1  # running index -> index among the chosen
-            for i, block_ids in new_block_ids.items():
-                blocks[position[i]] = block_ids
-        plan.extend_running(handles[chosen], requests, take[chosen], blocks)
-
-    def _schedule_running_from(self, plan: StepPlan, i: int) -> None:
-        """The running requests from index i on, one at a time, preempting when the cache is
-        full (the same decisions `schedule_pass` makes, plus preemption)."""
-        running, kv = self.running, self.kv_cache_manager
-        while i < len(running) and plan.budget > 0:
-            request = running[i]
-            n = self._num_new_tokens(request, plan.budget)
-            if n <= 0:
-                i += 1  # nothing to do now; others still get their turn
-                continue
-            new_block_ids = kv.allocate_slots(request, n)
-            if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, n, plan)
-                if new_block_ids is None:
-                    break  # it preempted itself: nothing after it can be served either
-                i = running.index(request)  # victims may have stood before it
-            self.table.sync_blocks(request, kv)
-            plan.add_running(request, n, new_block_ids or None)
-            i += 1
+        plan.add_running_pass(handles, take, running, start, new_block_ids)
+        return len(running)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -250,17 +224,6 @@ class Scheduler:
         if pending is not None:
             for request, num_pending in zip(requests, pending):
                 request.num_output_placeholders = num_pending
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        computed, pending = request.num_computed_tokens, request.num_output_placeholders
-        if pending and (request.num_output_tokens + pending >= request.max_tokens
-                        or request.num_tokens + pending >= self.max_seq_len):
-            return 0  # the tokens in flight already end it by length
-        n = len(request.all_token_ids) + pending - computed
-        if 0 < self.long_prefill_token_threshold < n:
-            n = self.long_prefill_token_threshold
-        # Positions computed this step must stay below max_model_len.
-        return min(n, budget, self.max_model_len - 1 - computed)
 
     def _preempt_until_fits(self, request: Request, n: int, plan: StepPlan) -> list[int] | None:
         """Preempt victims until the request's slots fit; None if it became the victim."""
@@ -325,21 +288,15 @@ class Scheduler:
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        stopped: list[tuple[Request, bool]]) -> tuple[list[int], str | None]:
-        """Append several tokens up to and including the first that stops the request; the
-        request's row in the table follows."""
-        if request.num_output_placeholders:
-            request.num_output_placeholders -= 1
-        reason = None
-        for k, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            reason = self._check_stop(request, token_id, stopped)
-            if reason is not None:
-                token_ids = token_ids[:k + 1]
-                break
+        """`append_tokens` (several tokens: the general path), with the table following."""
+        was_waiting = request.status == RequestStatus.PREEMPTED
+        token_ids = append_tokens(request, token_ids, self.max_seq_len)
         self.table.num_tokens[request.req_id] = request.num_tokens
         self.table.placeholders[request.req_id] = request.num_output_placeholders
-        return token_ids, reason
+        if not request.is_finished():
+            return token_ids, None
+        stopped.append((request, was_waiting))
+        return token_ids, FINISH_REASONS[request.status]
 
     def _finish_stopped(self, stopped: list[tuple[Request, bool]]) -> None:
         for request, was_waiting in stopped:
@@ -358,45 +315,12 @@ class Scheduler:
 
     # --- inspection ---------------------------------------------------------------------------
 
+    def check_integrity(self) -> None:
+        """Audit scheduler state and the block pool; raises IntegrityError on inconsistency."""
+        audit_scheduler(self)
+
     def get_stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(len(self.running), len(self.waiting),
                               pool.num_blocks - 1 - pool.get_num_free_blocks(),
                               pool.num_blocks - 1, self.num_preemptions)
-
-    def check_integrity(self) -> None:
-        """Audit scheduler state and the block pool; raises IntegrityError on inconsistency."""
-        queued = list(self.waiting)
-        if any(r.status != RequestStatus.RUNNING for r in self.running) or any(
-                r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in queued):
-            raise IntegrityError("a queued request has the wrong status")
-        ids = [r.request_id for r in self.running + queued]
-        if sorted(ids) != sorted(self.requests):
-            raise IntegrityError("running + waiting do not match the known requests")
-        if any(r.num_computed_tokens > r.num_tokens + r.num_output_placeholders
-               for r in self.running):
-            raise IntegrityError("a request computed more tokens than it has")
-        if self._handles_of_running is not None and (
-                self._handles_of_running.tolist() != [r.req_id for r in self.running]):
-            raise IntegrityError("the cached handles of running requests are stale")
-        mismatches = self.table.check(list(self.requests_by_handle.values()),
-                                      self.kv_cache_manager)
-        if mismatches:
-            raise IntegrityError(f"request table disagrees: {mismatches[:3]}")
-        self.kv_cache_manager.check_integrity()
-
-
-def _single_token_rows(scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                       irregular: list[int]) -> np.ndarray:
-    """The handles of the answer's entries except `irregular` ones. Workers answer in the
-    step's request order, whose handles the step message holds as a packed column."""
-    req_ids = model_runner_output.req_ids
-    if req_ids == scheduler_output.scheduled_req_ids:
-        column = scheduler_output.scheduled_cached_reqs.req_ids
-        rows = np.frombuffer(column, column.typecode).astype(np.int64)
-        if scheduler_output.scheduled_new_reqs:
-            new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
-            rows = np.concatenate((np.array(new, np.int64), rows))
-    else:
-        rows = np.array(req_ids, np.int64)
-    return np.delete(rows, irregular) if irregular else rows

@@ -47,6 +47,23 @@ class StepPlan:
         self.requests += requests
         self.new_block_ids += new_block_ids
 
+    def add_running_pass(self, handles: np.ndarray, take: np.ndarray, running: list[Request],
+                         start: int, new_block_ids: dict[int, list[int]]) -> None:
+        """From one pass over the running requests from index `start` on: `running[start + i]`
+        (handle `handles[i]`) takes `take[i]` tokens, if > 0, and gets `new_block_ids.get(i)`."""
+        chosen = np.flatnonzero(take)
+        indices = chosen.tolist()
+        if start == 0 and len(indices) == len(running):
+            requests = running[:]
+        else:
+            requests = [running[start + i] for i in indices]
+        blocks: list[list[int] | None] = [None] * len(indices)
+        if new_block_ids:
+            position = np.cumsum(take > 0) - 1  # running index -> index among the chosen
+            for i, block_ids in new_block_ids.items():
+                blocks[position[i]] = block_ids
+        self.extend_running(handles[chosen], requests, take[chosen], blocks)
+
     def add_resumed(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.add_running(request, num_tokens, block_ids)
         self.resumed.append(request.req_id)
