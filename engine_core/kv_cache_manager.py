@@ -113,9 +113,9 @@ class KVCacheManager:
 
     def publish_end(self, request_id: str) -> int | None:
         """The computed length at which the request fills a block not yet published (None:
-        caching is off, or it holds no blocks). `allocate_slots` for `n` more tokens of a request that has
-        blocks changes nothing and returns [] while `num_computed_tokens + n` stays below
-        this and within `num_slots`."""
+        caching is off, or it holds no blocks). For a request that has blocks,
+        `allocate_slots(request, n)` changes nothing and returns [] while
+        `num_computed_tokens + n` stays below this and within `num_slots`."""
         num_cached = self.num_cached_block.get(request_id)
         if not self.enable_caching or num_cached is None:
             return None

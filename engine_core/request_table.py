@@ -30,8 +30,12 @@ class RequestTable:
                "publish_end")
 
     def __init__(self, rows: int = 64) -> None:
-        for name in self.COLUMNS:
-            setattr(self, name, np.zeros(rows, np.int64))
+        self.num_computed = np.zeros(rows, np.int64)
+        self.num_tokens = np.zeros(rows, np.int64)
+        self.placeholders = np.zeros(rows, np.int64)
+        self.length_end = np.zeros(rows, np.int64)
+        self.slot_end = np.zeros(rows, np.int64)
+        self.publish_end = np.zeros(rows, np.int64)
 
     # --- rare paths: one request at a time --------------------------------------------------
 
@@ -61,17 +65,21 @@ class RequestTable:
 
     def schedule_pass(self, handles: np.ndarray, budget: int, max_model_len: int,
                       long_prefill_token_threshold: int) -> tuple[np.ndarray, np.ndarray]:
-        """What the running requests (`handles`, in running order) take from `budget`, as
-        `Scheduler._num_new_tokens` and the running loop decide it one request at a time:
-        `take[i]` tokens for request i (0: not scheduled), and `needs_kv[i]`: its step needs
-        the KV cache manager (a new block, or a newly full block to publish)."""
+        """What the running requests `handles` (in running order) take from `budget`, served
+        in order: `take[i]` tokens for request i (0: not scheduled), and `needs_kv[i]`: its
+        step needs the KV cache manager (a new block, or a newly full block to publish).
+
+        A request is behind by `num_tokens + placeholders - num_computed` tokens, capped by
+        the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions stay
+        below max_model_len) and by what the requests before it left of the budget; it takes
+        none if the tokens in flight already end it by length."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
         n = tokens + pending - computed
         if long_prefill_token_threshold > 0:
             np.minimum(n, long_prefill_token_threshold, out=n)
-        np.minimum(n, max_model_len - 1 - computed, out=n)  # positions stay < max_model_len
-        n[(pending > 0) & (tokens + pending >= self.length_end[handles])] = 0  # ends in flight
+        np.minimum(n, max_model_len - 1 - computed, out=n)
+        n[(pending > 0) & (tokens + pending >= self.length_end[handles])] = 0
         np.maximum(n, 0, out=n)
         # Request i gets what is left after requests 0..i-1 took theirs.
         left = np.maximum(budget - (np.cumsum(n) - n), 0)
@@ -108,10 +116,11 @@ class RequestTable:
         for request in requests:
             h, publish_end = request.req_id, kv.publish_end(request.request_id)
             expected = (request.num_computed_tokens, request.num_tokens,
-                        request.num_output_placeholders, kv.num_slots(request.request_id),
+                        request.num_output_placeholders, request.length_end,
+                        kv.num_slots(request.request_id),
                         _NEVER if publish_end is None else publish_end)
             found = (self.num_computed[h], self.num_tokens[h], self.placeholders[h],
-                     self.slot_end[h], self.publish_end[h])
+                     self.length_end[h], self.slot_end[h], self.publish_end[h])
             if tuple(int(x) for x in found) != expected:
                 bad.append(f"{request.request_id}: {found} != {expected}")
         return bad

@@ -135,7 +135,7 @@ class Scheduler:
                 if request is None or not token_ids:
                     continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
             # A request preempted after this step was scheduled still takes its token: the
-            # workers appended it too.
+            # workers appended it too. One token (the hot path) is `append_tokens` inlined.
             if len(token_ids) == 1:
                 token = token_ids[0]
                 request.output_token_ids.append(token)

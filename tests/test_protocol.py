@@ -54,7 +54,8 @@ def test_round_trip(channel, message):
 def test_num_scheduled_tokens_is_a_dict_in_step_order():
     so = _step()
     assert so.scheduled_req_ids == [3, 0, 1] and so.scheduled_token_counts.tolist() == [3, 1, 5]
-    assert so.num_scheduled_tokens == {3: 3, 0: 1, 1: 5} and list(so.num_scheduled_tokens) == [3, 0, 1]
+    assert so.num_scheduled_tokens == {3: 3, 0: 1, 1: 5}
+    assert list(so.num_scheduled_tokens) == [3, 0, 1]
     decoded = Codec(Channel.CORE_TO_WORKER).decode(Codec(Channel.CORE_TO_WORKER).encode(so))
     assert list(decoded.num_scheduled_tokens.items()) == [(3, 3), (0, 1), (1, 5)]
     assert to_builtins(so)[3] == [3, 1, 5]
