@@ -74,15 +74,6 @@ class BlockPool:
                 block.block_hash = block_hash
                 table[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every hash; only possible when no block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks - 1:
-            return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True
-
     def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
         """Verify free list, ref counts and hash map; raise IntegrityError on any mismatch.
 

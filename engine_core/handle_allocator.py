@@ -30,6 +30,3 @@ class HandleAllocator:
         """Every handle given out so far is below this."""
         return self._next
 
-    @property
-    def num_live(self) -> int:
-        return self._next - len(self._free)

@@ -34,10 +34,6 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
 
     @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_blocks - 1
 
@@ -111,11 +107,22 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def num_slots(self, request_id: str) -> int:
+        """Tokens the request's blocks hold."""
+        return len(self.req_to_blocks.get(request_id, ())) * self.block_size
+
+    def publish_end(self, request_id: str) -> int | None:
+        """The computed length at which the request fills a block not yet published (None:
+        caching is off, or it holds no blocks). For a request that has blocks,
+        `allocate_slots(request, n)` changes nothing and returns [] while
+        `num_computed_tokens + n` stays below this and within `num_slots`."""
+        num_cached = self.num_cached_block.get(request_id)
+        if not self.enable_caching or num_cached is None:
+            return None
+        return (num_cached + 1) * self.block_size
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """Audit the pool against the ref counts implied by every request's block list."""

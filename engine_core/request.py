@@ -16,24 +16,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
-    FINISHED_ERROR = 7
-
-    @property
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self)
 
 
+# The finish reason a final status reports (the only place it is derived).
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_IGNORED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -52,7 +41,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time",
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
-                 "stop_reason", "num_preemptions", "max_tokens", "num_output_placeholders")
+                 "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
+                 "length_end")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -73,8 +63,15 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens or sys.maxsize
+        # Tokens that may stop it (EOS unless ignored, stop token ids): a sampled token
+        # outside them, below `length_end`, never stops it; `check_stop` decides the rest.
+        stops = set(sampling_params.stop_token_ids or ())
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stops.add(eos_token_id)
+        self.stop_tokens = frozenset(stops)
+        # The sequence length that ends it by length (the scheduler caps it at max_seq_len).
+        self.length_end = len(self.prompt_token_ids) + self.max_tokens
         # Tokens scheduled to be sampled whose values have not come back yet (async
         # scheduling only; they sit after all_token_ids, and only the workers know them).
         self.num_output_placeholders = 0
@@ -93,9 +90,6 @@ class Request:
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
-
-    def get_finished_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.block_pool import IntegrityError
+import numpy as np
+
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.handle_allocator import HandleAllocator
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
+from engine_core.request_table import RequestTable, answer_rows
+from engine_core.scheduler_audit import audit_scheduler
 from engine_core.step_plan import StepPlan
-from engine_core.stop_check import check_stop
+from engine_core.stop_check import append_tokens, check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
@@ -49,6 +52,8 @@ class Scheduler:
         self.finished_req_ids: list[int] = []  # handles to announce in the next step
         self.handles = HandleAllocator()
         self.requests_by_handle: dict[int, Request] = {}
+        self.table = RequestTable()  # counters of requests with a handle
+        self._handles_of_running: np.ndarray | None = None  # cache of _running_handles()
         self.step = 0
         self.num_preemptions = 0
         self.async_scheduling = scheduler_config.async_scheduling
@@ -63,6 +68,7 @@ class Scheduler:
                      self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
+        request.length_end = min(request.length_end, self.max_seq_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -81,11 +87,12 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            outputs.append(EngineCoreOutput(request_id, [], request.get_finished_reason(),
+            outputs.append(EngineCoreOutput(request_id, [], FINISH_REASONS[status],
                                             num_cached_tokens=max(request.num_cached_tokens, 0)))
             self._free_request(request)
         if stopped:
             self.running = [r for r in self.running if not r.is_finished()]
+            self._handles_of_running = None
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -103,8 +110,9 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        output = plan.build(self.step, finished, self.kv_cache_manager, self.handles.bound,
-                            self.max_model_len, self.async_scheduling)
+        output = plan.build(self.step, finished, self.kv_cache_manager, self.table,
+                            self.handles.bound, self.max_model_len)
+        self._update_after_schedule(plan)
         # Reusable from the next step on. Under async scheduling at most one step is in flight
         # while this one is scheduled, and it is collected before the next is scheduled, so
         # no late answer can reach a request that took over one of these handles.
@@ -116,52 +124,71 @@ class Scheduler:
         """Append sampled tokens, stop finished requests and report what changed."""
         outputs: list[EngineCoreOutput] = []
         logprobs = model_runner_output.logprobs
-        by_handle, finished = self.requests_by_handle, False
+        by_handle = self.requests_by_handle
+        irregular: list[int] = []  # entries that did not append exactly one token
+        stopped: list[tuple[Request, bool]] = []  # (request, was waiting), in output order
         for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
                                                     model_runner_output.sampled_token_ids)):
             request = by_handle.get(req_id)
-            if not token_ids or request is None:
-                continue  # a prefill chunk short of the prompt's end, or aborted meanwhile
+            if request is None or len(token_ids) != 1:
+                irregular.append(i)
+                if request is None or not token_ids:
+                    continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
             # A request preempted after this step was scheduled still takes its token: the
-            # workers appended it too.
-            was_waiting = request.status == RequestStatus.PREEMPTED
-            if request.num_output_placeholders:  # 0 if preempted since: the count restarted
-                request.num_output_placeholders -= 1
-            new_token_ids = self._append_tokens(request, token_ids)
-            reason = FINISH_REASONS.get(request.status)
-            outputs.append(EngineCoreOutput(request.request_id, new_token_ids, reason,
+            # workers appended it too. One token (the hot path) is `append_tokens` inlined.
+            if len(token_ids) == 1:
+                token = token_ids[0]
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                if request.num_output_placeholders:  # 0 if preempted since: the count restarted
+                    request.num_output_placeholders -= 1
+                reason = None
+                if token in request.stop_tokens or len(request.all_token_ids) >= request.length_end:
+                    reason = self._check_stop(request, token, stopped)
+            else:
+                token_ids, reason = self._append_tokens(request, token_ids, stopped)
+            outputs.append(EngineCoreOutput(request.request_id, token_ids, reason,
                                             request.stop_reason,
                                             logprobs[i] if logprobs else None,
                                             request.num_cached_tokens))
-            if reason is not None:
-                if was_waiting:
-                    self.waiting.remove(request)
-                self._free_request(request)
-                finished = True
-        if finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
+        if stopped:
+            self._finish_stopped(stopped)
         return outputs
 
     # --- scheduling helpers ----------------------------------------------------------------
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        running, kv = self.running, self.kv_cache_manager
         i = 0
-        while i < len(running) and plan.budget > 0:
-            request = running[i]
-            n = self._num_new_tokens(request, plan.budget)
-            if n <= 0:
-                i += 1  # nothing to do now; others still get their turn
-                continue
-            new_block_ids = kv.allocate_slots(request, n)
-            if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, n, plan)
-                if new_block_ids is None:
-                    break  # it preempted itself: nothing after it can be served either
-                i = running.index(request)  # victims may have stood before it
-            plan.running[request.req_id] = (request, n, new_block_ids or None)
-            plan.budget -= n
-            i += 1
+        while i < len(self.running) and plan.budget > 0:
+            i = self._schedule_running_from(plan, i)
+
+    def _schedule_running_from(self, plan: StepPlan, start: int) -> int:
+        """Running requests from index `start` on, in one vectorized pass; only those whose
+        step needs the KV cache manager (a new block, a full block to publish) are visited
+        one by one. If the cache runs out, victims are preempted and the index to go on
+        from is returned (the end of `running` when the pass completed)."""
+        running, kv = self.running, self.kv_cache_manager
+        handles = self._running_handles()[start:]
+        take, needs_kv = self.table.schedule_pass(handles, plan.budget, self.max_model_len,
+                                                  self.long_prefill_token_threshold)
+        new_block_ids: dict[int, list[int]] = {}
+        for i in np.flatnonzero(needs_kv).tolist():
+            request, n = running[start + i], int(take[i])
+            block_ids = kv.allocate_slots(request, n)
+            if block_ids is None:
+                plan.add_running_pass(handles[:i], take[:i], running, start, new_block_ids)
+                block_ids = self._preempt_until_fits(request, n, plan)
+                if block_ids is None:
+                    return len(running)  # it preempted itself: nothing after it can run
+                self.table.sync_blocks(request, kv)
+                plan.add_running(request, n, block_ids or None)
+                return running.index(request) + 1  # victims may have stood before it
+            self.table.sync_blocks(request, kv)
+            if block_ids:
+                new_block_ids[i] = block_ids
+        plan.add_running_pass(handles, take, running, start, new_block_ids)
+        return len(running)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -187,16 +214,16 @@ class Scheduler:
             else:
                 plan.add_new(request, n)
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        computed, pending = request.num_computed_tokens, request.num_output_placeholders
-        if pending and (request.num_output_tokens + pending >= request.max_tokens
-                        or request.num_tokens + pending >= self.max_seq_len):
-            return 0  # the tokens in flight already end it by length
-        n = len(request.all_token_ids) + pending - computed
-        if 0 < self.long_prefill_token_threshold < n:
-            n = self.long_prefill_token_threshold
-        # Positions computed this step must stay below max_model_len.
-        return min(n, budget, self.max_model_len - 1 - computed)
+    def _update_after_schedule(self, plan: StepPlan) -> None:
+        """Advance each scheduled request's `num_computed_tokens` by its tokens; under async
+        scheduling, count the token a request that reaches its end will sample."""
+        requests, handles, counts = plan.scheduled()
+        computed, pending = self.table.advance(handles, counts, self.async_scheduling)
+        for request, num_computed in zip(requests, computed):
+            request.num_computed_tokens = num_computed
+        if pending is not None:
+            for request, num_pending in zip(requests, pending):
+                request.num_output_placeholders = num_pending
 
     def _preempt_until_fits(self, request: Request, n: int, plan: StepPlan) -> list[int] | None:
         """Preempt victims until the request's slots fit; None if it became the victim."""
@@ -217,12 +244,13 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         """Recompute preemption: drop the KV, rewind, and queue at the front."""
         self.running.remove(victim)
+        self._handles_of_running = None
         plan.drop(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
-        victim.num_preemptions += 1
+        self.table.preempt(victim, self.kv_cache_manager)
         self.num_preemptions += 1
         self.waiting.prepend(victim)
         plan.preempted.append(victim.req_id)
@@ -235,18 +263,48 @@ class Scheduler:
             request.num_cached_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
+        self.table.admit(request, self.kv_cache_manager)
         self.running.append(request)
+        self._handles_of_running = None
+
+    def _running_handles(self) -> np.ndarray:
+        """The handles of `running`, in order (rebuilt after the list changes)."""
+        if self._handles_of_running is None:
+            self._handles_of_running = np.fromiter((r.req_id for r in self.running), np.int64,
+                                                   len(self.running))
+        return self._handles_of_running
 
     # --- update helpers ---------------------------------------------------------------------
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append tokens up to and including the first that stops the request."""
-        for k, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            if check_stop(request, token_id, self.max_seq_len):
-                return token_ids[:k + 1]
-        return token_ids
+    def _check_stop(self, request: Request, token_id: int,
+                    stopped: list[tuple[Request, bool]]) -> str | None:
+        """After appending `token_id`: if it ends the request, list it in `stopped` (with
+        whether it was waiting) and return the finish reason."""
+        was_waiting = request.status == RequestStatus.PREEMPTED
+        if not check_stop(request, token_id, self.max_seq_len):
+            return None
+        stopped.append((request, was_waiting))
+        return FINISH_REASONS[request.status]
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       stopped: list[tuple[Request, bool]]) -> tuple[list[int], str | None]:
+        """`append_tokens` (several tokens: the general path), with the table following."""
+        was_waiting = request.status == RequestStatus.PREEMPTED
+        token_ids = append_tokens(request, token_ids, self.max_seq_len)
+        self.table.num_tokens[request.req_id] = request.num_tokens
+        self.table.placeholders[request.req_id] = request.num_output_placeholders
+        if not request.is_finished():
+            return token_ids, None
+        stopped.append((request, was_waiting))
+        return token_ids, FINISH_REASONS[request.status]
+
+    def _finish_stopped(self, stopped: list[tuple[Request, bool]]) -> None:
+        for request, was_waiting in stopped:
+            if was_waiting:
+                self.waiting.remove(request)
+            self._free_request(request)
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self._handles_of_running = None
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -257,25 +315,12 @@ class Scheduler:
 
     # --- inspection ---------------------------------------------------------------------------
 
+    def check_integrity(self) -> None:
+        """Audit scheduler state and the block pool; raises IntegrityError on inconsistency."""
+        audit_scheduler(self)
+
     def get_stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(len(self.running), len(self.waiting),
                               pool.num_blocks - 1 - pool.get_num_free_blocks(),
                               pool.num_blocks - 1, self.num_preemptions)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
-
-    def check_integrity(self) -> None:
-        """Audit scheduler state and the block pool; raises IntegrityError on inconsistency."""
-        queued = list(self.waiting)
-        if any(r.status != RequestStatus.RUNNING for r in self.running) or any(
-                r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in queued):
-            raise IntegrityError("a queued request has the wrong status")
-        ids = [r.request_id for r in self.running + queued]
-        if sorted(ids) != sorted(self.requests):
-            raise IntegrityError("running + waiting do not match the known requests")
-        if any(r.num_computed_tokens > r.num_tokens + r.num_output_placeholders
-               for r in self.running):
-            raise IntegrityError("a request computed more tokens than it has")
-        self.kv_cache_manager.check_integrity()

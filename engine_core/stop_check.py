@@ -25,3 +25,17 @@ def check_stop(request: Request, token_id: int, max_seq_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def append_tokens(request: Request, token_ids: list[int], max_seq_len: int) -> list[int]:
+    """Append the tokens one step sampled for the request, up to and including the first that
+    finishes it; they take the place of one placeholder, if it had any. Returns those
+    appended."""
+    if request.num_output_placeholders:
+        request.num_output_placeholders -= 1
+    for k, token_id in enumerate(token_ids):
+        request.output_token_ids.append(token_id)
+        request.all_token_ids.append(token_id)
+        if check_stop(request, token_id, max_seq_len):
+            return token_ids[:k + 1]
+    return token_ids

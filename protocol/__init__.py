@@ -9,7 +9,7 @@ from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
-from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput, TokenCounts
+from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from protocol.worker_messages import (CoreToWorker, WorkerError, WorkerHello, WorkerInit,
                                       WorkerPing, WorkerReady, WorkerShutdown, WorkerToCore)
 
@@ -19,6 +19,6 @@ __all__ = [
     "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
     "FrontendToCore", "SchedulerStats", "ShutdownEngine", "IntColumn", "ModelRunnerOutput",
     "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
-    "SchedulerOutput", "TokenCounts", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
+    "SchedulerOutput", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
     "WorkerPing", "WorkerReady", "WorkerShutdown", "WorkerToCore",
 ]

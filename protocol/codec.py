@@ -19,7 +19,6 @@ from common.log_limiter import LogLimiter
 
 from protocol.engine_messages import CoreToFrontend, FrontendToCore
 from protocol.int_column import IntColumn
-from protocol.scheduler_output import TokenCounts
 from protocol.worker_messages import CoreToWorker, WorkerToCore
 
 logger = logging.getLogger("deltaserve")
@@ -51,23 +50,18 @@ _MESSAGE_TYPES: dict[Channel, Any] = {
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, TokenCounts):
-        return obj.counts.to_wire()
     if isinstance(obj, IntColumn):
         return obj.to_wire()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 def _dec_hook(kind: type, obj: Any) -> Any:
-    if isinstance(obj, bytes) and kind in (TokenCounts, IntColumn):
-        column = IntColumn.from_wire(obj)
-        return TokenCounts(column) if kind is TokenCounts else column
+    if isinstance(obj, bytes) and kind is IntColumn:
+        return IntColumn.from_wire(obj)
     raise msgspec.ValidationError(f"expected {kind.__name__}, got {type(obj).__name__}")
 
 
 def _readable(obj: Any) -> Any:
-    if isinstance(obj, TokenCounts):
-        return dict(obj.items())
     if isinstance(obj, IntColumn):
         return obj.tolist()
     raise NotImplementedError(f"cannot show {type(obj).__name__}")

@@ -9,7 +9,7 @@ _TYPECODES = ("B", "H", "I", "Q")  # 1, 2, 4, 8 bytes, unsigned
 
 
 class IntColumn(array):
-    """An `array.array` of unsigned ints that compares equal to a list of the same values.
+    """An `array.array` of unsigned ints (equal to another array of the same values).
 
     On the wire it is one msgpack bin: the typecode byte, then the values little-endian, so a
     step's column of token counts decodes without allocating an int per request, and a worker
@@ -19,13 +19,26 @@ class IntColumn(array):
     def __new__(cls, values: Iterable[int] = (), typecode: str = "I") -> IntColumn:
         return super().__new__(cls, typecode, values)
 
+    @staticmethod
+    def typecode_for(bound: int) -> str:
+        """The narrowest typecode for values below `bound`."""
+        for code in _TYPECODES:
+            if bound <= 1 << (8 * array(code).itemsize):
+                return code
+        raise OverflowError(f"no integer column holds values up to {bound}")
+
     @classmethod
     def for_bound(cls, values: Iterable[int], bound: int) -> IntColumn:
         """The narrowest column for values below `bound`."""
-        for code in _TYPECODES:
-            if bound <= 1 << (8 * array(code).itemsize):
-                return cls(values, code)
-        raise OverflowError(f"no integer column holds values up to {bound}")
+        return cls(values, cls.typecode_for(bound))
+
+    @classmethod
+    def from_native_bytes(cls, typecode: str, data: bytes) -> IntColumn:
+        """A column of `typecode` over values in this machine's byte order (e.g. a numpy
+        array's `astype(typecode).tobytes()`)."""
+        column = cls((), typecode)
+        column.frombytes(data)
+        return column
 
     @classmethod
     def narrowest(cls, values: Iterable[int]) -> IntColumn:
@@ -48,19 +61,6 @@ class IntColumn(array):
         if sys.byteorder != "little":
             column.byteswap()
         return column
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, array):
-            return self.tolist() == other.tolist()
-        if isinstance(other, (list, tuple)):
-            return self.tolist() == list(other)
-        return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"IntColumn({self.tolist()})"

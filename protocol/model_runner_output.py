@@ -1,7 +1,6 @@
 """What rank 0 returns to the scheduler after running one step."""
 from __future__ import annotations
 
-
 from protocol.wire_struct import WireStruct
 
 
@@ -30,6 +29,3 @@ class ModelRunnerOutput(WireStruct, tag=2):
     logprobs: list[list[SampleLogprobs] | None] | None = None
     step: int = 0
 
-    @property
-    def req_id_to_index(self) -> dict[int, int]:
-        return {req_id: i for i, req_id in enumerate(self.req_ids)}

@@ -9,14 +9,13 @@ that only deltas travel (`CachedRequestData`), and the worker appends its own sa
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from functools import cached_property
 
 import msgspec
 
-from protocol.wire_struct import WireStruct
-
 from protocol.int_column import IntColumn
 from protocol.sampling_params import SamplingParams
+from protocol.wire_struct import WireStruct
 
 
 class NewRequestData(WireStruct):
@@ -60,65 +59,22 @@ class CachedRequestData(WireStruct):
         return len(self.req_ids)
 
 
-class TokenCounts(Mapping[int, int]):
-    """`num_scheduled_tokens` (handle -> tokens this step), stored as `counts` parallel to the
-    step's request order: `scheduled_new_reqs`, then `scheduled_cached_reqs.req_ids`.
-
-    It travels as that packed column alone. The order is bound lazily to the message's request
-    lists, and keyed lookups build an index on first use.
-    """
-
-    __slots__ = ("counts", "_new", "_cached", "_order", "_index")
-
-    def __init__(self, counts: Iterable[int]) -> None:
-        self.counts = counts if isinstance(counts, IntColumn) else IntColumn.narrowest(counts)
-        self._new: list[NewRequestData] = []
-        self._cached: Iterable[int] = ()
-        self._order: list[int] | None = None
-        self._index: dict[int, int] | None = None
-
-    def bind(self, new_reqs: list[NewRequestData], cached_req_ids: Iterable[int]) -> None:
-        self._new, self._cached, self._order, self._index = new_reqs, cached_req_ids, None, None
-
-    @property
-    def order(self) -> list[int]:
-        if self._order is None:
-            order = [r.req_id for r in self._new]
-            order.extend(self._cached)
-            self._order = order
-        return self._order
-
-    def __getitem__(self, req_id: int) -> int:
-        if self._index is None:
-            self._index = dict(zip(self.order, self.counts))
-        return self._index[req_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order)
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def items(self):  # ordered (handle, count) pairs without building the index
-        return zip(self.order, self.counts)
-
-    def __repr__(self) -> str:
-        return f"TokenCounts({dict(self.items())})"
-
-
-class SchedulerOutput(WireStruct, tag=1):
+class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     """One step: which tokens every worker computes and where their KV goes.
 
-    Keys of `num_scheduled_tokens` are exactly the handles in `scheduled_new_reqs` and
-    `scheduled_cached_reqs`, and its values sum to `total_num_scheduled_tokens`.
+    The step's request order is `scheduled_req_ids`: the handles of `scheduled_new_reqs`, then
+    `scheduled_cached_reqs.req_ids`. `scheduled_token_counts[i]` is the number of tokens
+    request i computes in this step (all > 0, summing to `total_num_scheduled_tokens`); it
+    travels as one packed column, and `num_scheduled_tokens` is the same as a dict by handle.
     `finished_req_ids` lists handles finished since the previous step (workers drop them
     before applying anything else); `preempted_req_ids` lists handles preempted in this step
     (their KV is gone, but workers keep their tokens until they resume or finish).
+    (`dict=True`, hence `gc=True`, holds the two cached properties.)
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
     scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
-    num_scheduled_tokens: TokenCounts = msgspec.field(default_factory=lambda: TokenCounts([]))
+    scheduled_token_counts: IntColumn = msgspec.field(default_factory=IntColumn)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[int] = []
     preempted_req_ids: list[int] = []
@@ -126,20 +82,20 @@ class SchedulerOutput(WireStruct, tag=1):
     step: int = 0
 
     def __post_init__(self) -> None:
-        counts = self.num_scheduled_tokens
-        if not isinstance(counts, TokenCounts):  # a plain mapping from a hand-made message
-            order = [r.req_id for r in self.scheduled_new_reqs]
-            order.extend(self.scheduled_cached_reqs.req_ids)
-            if len(counts) != len(order) or any(req_id not in counts for req_id in order):
-                raise ValueError(f"num_scheduled_tokens keys {sorted(counts)} must be exactly "
-                                 f"the scheduled handles {order}")
-            self.num_scheduled_tokens = counts = TokenCounts([counts[h] for h in order])
-        cached_ids = self.scheduled_cached_reqs.req_ids
-        if len(counts) != len(self.scheduled_new_reqs) + len(cached_ids):
-            raise ValueError(f"{len(counts)} token counts for "
-                             f"{len(self.scheduled_new_reqs) + len(cached_ids)} requests")
-        counts.bind(self.scheduled_new_reqs, cached_ids)
+        if not isinstance(self.scheduled_token_counts, IntColumn):  # a hand-made message
+            self.scheduled_token_counts = IntColumn.narrowest(self.scheduled_token_counts)
+        num_reqs = len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs.req_ids)
+        if len(self.scheduled_token_counts) != num_reqs:
+            raise ValueError(f"{len(self.scheduled_token_counts)} token counts for "
+                             f"{num_reqs} requests")
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+    @cached_property
+    def scheduled_req_ids(self) -> list[int]:
+        req_ids = [r.req_id for r in self.scheduled_new_reqs]
+        req_ids.extend(self.scheduled_cached_reqs.req_ids)
+        return req_ids
+
+    @cached_property
+    def num_scheduled_tokens(self) -> dict[int, int]:
+        """Handle -> tokens scheduled in this step, in the step's request order."""
+        return dict(zip(self.scheduled_req_ids, self.scheduled_token_counts))

@@ -63,16 +63,6 @@ def test_duplicate_hash_stays_unpublished():
     pool.check_integrity()
 
 
-def test_reset_prefix_cache():
-    pool = BlockPool(4)
-    (a,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([a], [b"h"], 0, 1)
-    assert not pool.reset_prefix_cache()
-    pool.free_blocks([a])
-    assert pool.reset_prefix_cache() and a.block_hash is None
-    assert not pool.cached_block_hash_to_block
-
-
 @pytest.mark.parametrize("corrupt,message", [
     (lambda p, a: setattr(a, "ref_cnt", 0), "ref_cnt 0, in free list: False"),
     (lambda p, a: setattr(p.blocks[3], "ref_cnt", 2), "ref_cnt 2, in free list: True"),

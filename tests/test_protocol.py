@@ -12,7 +12,7 @@ from protocol import (HEADER, AbortRequests, IntColumn, AddRequest, CachedReques
                       EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
                       ModelRunnerOutput, NewRequestData, ProtocolError, SampleLogprobs,
                       SamplingParams, SchedulerOutput, SchedulerStats, ShutdownEngine,
-                      TokenCounts, EngineConfig, WorkerError, WorkerHello, WorkerInit,
+                      EngineConfig, WorkerError, WorkerHello, WorkerInit,
                       WorkerReady, WorkerShutdown, to_builtins)
 
 
@@ -20,7 +20,7 @@ def _step() -> SchedulerOutput:
     new = NewRequestData(3, "req-a", [1, 2, 3], SamplingParams(temperature=0.0, seed=7),
                          [4, 5], 0, eos_token_id=2)
     cached = CachedRequestData([0, 1], [17, 40], [None, [9]], [1])
-    return SchedulerOutput([new], cached, {3: 3, 0: 1, 1: 5}, 9, [2], [6], step=4)
+    return SchedulerOutput([new], cached, [3, 1, 5], 9, [2], [6], step=4)
 
 
 MESSAGES = {
@@ -51,21 +51,20 @@ def test_round_trip(channel, message):
     assert codec.encode(decoded) == frame  # stable bytes: what replay relies on
 
 
-def test_token_counts_is_an_ordered_mapping():
+def test_num_scheduled_tokens_is_a_dict_in_step_order():
     so = _step()
-    counts = so.num_scheduled_tokens
-    assert isinstance(counts, TokenCounts)
-    assert list(counts) == [3, 0, 1] and counts.counts == [3, 1, 5]
-    assert counts[1] == 5 and counts == {0: 1, 1: 5, 3: 3} and len(counts) == 3
+    assert so.scheduled_req_ids == [3, 0, 1] and so.scheduled_token_counts.tolist() == [3, 1, 5]
+    assert so.num_scheduled_tokens == {3: 3, 0: 1, 1: 5}
+    assert list(so.num_scheduled_tokens) == [3, 0, 1]
     decoded = Codec(Channel.CORE_TO_WORKER).decode(Codec(Channel.CORE_TO_WORKER).encode(so))
-    assert dict(decoded.num_scheduled_tokens.items()) == {3: 3, 0: 1, 1: 5}
-    assert to_builtins(so)[3] == {3: 3, 0: 1, 1: 5}
+    assert list(decoded.num_scheduled_tokens.items()) == [(3, 3), (0, 1), (1, 5)]
+    assert to_builtins(so)[3] == [3, 1, 5]
 
 
-def test_num_scheduled_tokens_must_name_the_scheduled_requests():
-    with pytest.raises(ValueError, match="scheduled handles"):
+def test_one_token_count_per_scheduled_request():
+    with pytest.raises(ValueError, match="2 token counts for 1 requests"):
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData([1], [0], [None]),
-                        num_scheduled_tokens={2: 1})
+                        scheduled_token_counts=[1, 1])
 
 
 def _bad_frames() -> list[tuple[bytes, str]]:
@@ -110,11 +109,11 @@ def test_bad_column_frames():
         codec.decode(frame(col([1]), req_ids=col([7, 8])))
 
 
-def test_int_column_behaves_like_a_list():
+def test_int_column_round_trip():
     column = IntColumn.for_bound([3, 70000], 70001)
     assert column.typecode == "I" and IntColumn.for_bound([1], 200).typecode == "B"
-    assert column == [3, 70000] and [3, 70000] == column and column != [3]
-    assert list(column) == [3, 70000] and column[1] == 70000 and 3 in column
+    assert column.tolist() == [3, 70000] and column[1] == 70000 and 3 in column
+    assert column == IntColumn([3, 70000], "Q") and column != IntColumn([3], "I")
     assert IntColumn.from_wire(column.to_wire()) == column
 
 
@@ -123,7 +122,7 @@ def test_decode_step_is_compact():
     n = 256
     cached = CachedRequestData(list(range(n)), [3000 + 17 * i for i in range(n)], [None] * n)
     so = SchedulerOutput(scheduled_cached_reqs=cached,
-                         num_scheduled_tokens=TokenCounts([1] * n),
+                         scheduled_token_counts=[1] * n,
                          total_num_scheduled_tokens=n, step=123456)
     frame = Codec(Channel.CORE_TO_WORKER).encode(so)
     assert len(frame) / n <= 8.0

@@ -48,12 +48,12 @@ def test_cached_requests_carry_only_deltas():
     scheduler.update_from_output(so, sample(so, scheduler))
     so = scheduler.schedule()  # decode of the 8th token: still fits block 2
     cached = so.scheduled_cached_reqs
-    assert so.scheduled_new_reqs == [] and cached.req_ids == [req.req_id]
-    assert cached.num_computed_tokens == [7] and cached.new_block_ids == [None]
+    assert so.scheduled_new_reqs == [] and cached.req_ids.tolist() == [req.req_id]
+    assert cached.num_computed_tokens.tolist() == [7] and cached.new_block_ids == [None]
     scheduler.update_from_output(so, sample(so, scheduler))
     so = scheduler.schedule()  # the 9th token needs a third block
     assert so.scheduled_cached_reqs.new_block_ids == [[3]]
-    assert so.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert so.scheduled_cached_reqs.num_computed_tokens.tolist() == [8]
 
 
 def test_chunked_prefill_with_threshold():
@@ -65,7 +65,7 @@ def test_chunked_prefill_with_threshold():
     scheduler.update_from_output(so, sample(so, scheduler))
     so = scheduler.schedule()
     assert list(so.num_scheduled_tokens.values()) == [400, 400, 224]
-    assert so.scheduled_cached_reqs.req_ids == [r.req_id for r in requests]
+    assert so.scheduled_cached_reqs.req_ids.tolist() == [r.req_id for r in requests]
     outputs = scheduler.update_from_output(so, sample(so, scheduler))
     assert [o.request_id for o in outputs] == ["0", "1"]  # they reached the prompt's end
     so = scheduler.schedule()
@@ -173,10 +173,10 @@ def test_preempt_during_execution_keeps_handle_and_resumes_with_new_blocks():
         scheduler.update_from_output(so2, sample(so2, scheduler))
         so2 = scheduler.schedule()
     cached = so2.scheduled_cached_reqs
-    assert so2.scheduled_new_reqs == [] and cached.req_ids == [req1.req_id]
+    assert so2.scheduled_new_reqs == [] and cached.req_ids.tolist() == [req1.req_id]
     assert cached.resumed_req_ids == [req1.req_id]  # same handle, known to the workers
     assert cached.new_block_ids[0] == scheduler.kv_cache_manager.get_block_ids("1")
-    assert cached.num_computed_tokens == [64]  # hit on its freed blocks; req0 took the last
+    assert cached.num_computed_tokens.tolist() == [64]  # hit on its freed blocks; req0 took the last
     assert so2.finished_req_ids == [req0.req_id]
 
 

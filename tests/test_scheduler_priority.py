@@ -58,7 +58,7 @@ def test_high_priority_request_preempts_the_lowest():
         scheduler.update_from_output(so, sample(so, scheduler))
         so = scheduler.schedule()
     cached = so.scheduled_cached_reqs
-    assert cached.req_ids == [low.req_id] and cached.resumed_req_ids == [low.req_id]
+    assert cached.req_ids.tolist() == [low.req_id] and cached.resumed_req_ids == [low.req_id]
     assert low.num_tokens == 34 and low.output_token_ids == [100, 100]
 
 

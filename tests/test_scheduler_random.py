@@ -2,14 +2,18 @@
 cache small enough to preempt; every step is checked against the protocol's invariants."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
+from engine_core.engine_core import EngineCore
 from engine_core.request import Request
-from protocol import SamplingParams
+from protocol import AbortRequests, AddRequest, SamplingParams
 from sched_utils import EOS_TOKEN_ID, make_scheduler
 from scripted_worker import ScriptedWorker, default_script
+
+SEED = int(os.environ.get("SOAK_SEED", "20250"))
 
 
 def _eos_script(request_id: str, tokens: list[int]) -> int:
@@ -17,7 +21,7 @@ def _eos_script(request_id: str, tokens: list[int]) -> int:
     return EOS_TOKEN_ID if token % 23 == 0 else token
 
 
-def _random_request(rng: random.Random, i: int, prefixes: list[list[int]]) -> Request:
+def _random_request(rng: random.Random, i: int, prefixes: list[list[int]]) -> AddRequest:
     if rng.random() < 0.15:  # an exact repeat of a shared prefix (multiples of a block too)
         prompt = rng.choice(prefixes)[:rng.choice([8, 12, 16, 23])]
     else:
@@ -26,8 +30,8 @@ def _random_request(rng: random.Random, i: int, prefixes: list[list[int]]) -> Re
     max_tokens = rng.randint(1, 40)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.2,
                             min_tokens=min(max_tokens, rng.choice([0, 0, 3])))
-    return Request(f"r{i}", prompt, params, arrival_time=float(i),
-                   priority=rng.randint(0, 3), eos_token_id=EOS_TOKEN_ID)
+    return AddRequest(f"r{i}", prompt, params, arrival_time=float(i),
+                      priority=rng.randint(0, 3), eos_token_id=EOS_TOKEN_ID)
 
 
 def _ended_by_tokens_in_flight(request: Request, max_seq_len: int) -> bool:
@@ -58,31 +62,16 @@ def _check_step(so, scheduler, max_tokens: int, max_seqs: int, seen_live: set[in
     seen_live.update(new_ids)
 
 
-class _Pipeline:
-    """Steps the scheduler against the scripted worker, synchronously or, with async
-    scheduling, with step N+1 scheduled (and run) before step N's answer is applied."""
+class _CheckedWorker(ScriptedWorker):
+    """The scripted worker, checking every step message before it runs it."""
 
-    def __init__(self, scheduler, worker: ScriptedWorker, check) -> None:
-        self.scheduler, self.worker, self.check = scheduler, worker, check
-        self.depth = 2 if scheduler.async_scheduling else 1
-        self.in_flight: list = []
+    def __init__(self, num_blocks: int, block_size: int, check) -> None:
+        super().__init__(num_blocks, block_size, script=_eos_script)
+        self.check = check
 
-    def busy(self) -> bool:
-        s = self.scheduler
-        return bool(s.has_unfinished_requests() or s.finished_req_ids or self.in_flight)
-
-    def step(self) -> list:
-        s = self.scheduler
-        if s.has_unfinished_requests() or s.finished_req_ids:
-            so = s.schedule()
-            self.check(so)
-            self.worker.submit(so)
-            self.in_flight.append(so)
-            if len(self.in_flight) < self.depth:
-                return []
-        if not self.in_flight:
-            return []
-        return s.update_from_output(self.in_flight.pop(0), self.worker.collect())
+    def submit(self, so) -> None:
+        self.check(so)
+        super().submit(so)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -90,49 +79,49 @@ class _Pipeline:
     ("fcfs", True, True, 24), ("fcfs", False, True, 24), ("priority", True, True, 24),
     ("fcfs", True, False, 56)])
 def test_random_soak(policy, caching, chunked, max_tokens, async_scheduling):
-    rng = random.Random(hash((policy, caching, chunked)) & 0xFFFF)
+    print(f"seed {SEED} (set SOAK_SEED to replay another)")  # pytest shows it on failure
+    rng = random.Random(SEED)
     num_blocks, block_size, max_seqs = 24, 4, 6
     scheduler = make_scheduler(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                                num_blocks=num_blocks, block_size=block_size, policy=policy,
                                enable_prefix_caching=caching, enable_chunked_prefill=chunked,
                                max_model_len=56, async_scheduling=async_scheduling)
-    worker = ScriptedWorker(num_blocks, block_size, script=_eos_script)
-    prefixes = [[rng.randint(3, 900) for _ in range(40)] for _ in range(3)]
     seen_live: set[int] = set()
-    pipeline = _Pipeline(scheduler, worker,
-                         lambda so: _check_step(so, scheduler, max_tokens, max_seqs, seen_live))
+    worker = _CheckedWorker(num_blocks, block_size, lambda so: _check_step(
+        so, scheduler, max_tokens, max_seqs, seen_live))
+    engine = EngineCore(scheduler, worker)
+    prefixes = [[rng.randint(3, 900) for _ in range(40)] for _ in range(3)]
     finished: dict[str, str] = {}
     next_id = 0
-    for step in range(2500):
-        for _ in range(1 if rng.random() < 0.3 and step < 2300 else 0):
-            request = _random_request(rng, next_id, prefixes)
-            next_id += 1
-            try:
-                scheduler.add_request(request)
-            except ValueError as e:  # too long for max_model_len or the whole cache
-                assert "max_model_len" in str(e) or "whole KV cache" in str(e)
-                assert request.request_id not in scheduler.requests
-                finished[request.request_id] = "rejected"
-        if rng.random() < 0.03 and scheduler.requests:
-            victim = rng.choice(list(scheduler.requests))
-            for out in scheduler.finish_requests(victim):
-                finished[out.request_id] = out.finish_reason
-        for out in pipeline.step():
+
+    def record(outputs) -> None:
+        for out in outputs:
+            if out.finish_reason == "error":  # too long for max_model_len or the whole cache
+                assert "max_model_len" in out.error or "whole KV cache" in out.error
+                assert out.request_id not in scheduler.requests
             if out.finish_reason:
                 assert out.request_id not in finished, "a request finished twice"
                 finished[out.request_id] = out.finish_reason
-        if not pipeline.in_flight:
+
+    for step in range(2500):
+        for _ in range(1 if rng.random() < 0.3 and step < 2300 else 0):
+            record(engine.handle(_random_request(rng, next_id, prefixes)))
+            next_id += 1
+        if rng.random() < 0.03 and scheduler.requests:
+            record(engine.handle(AbortRequests([rng.choice(list(scheduler.requests))])))
+        record(engine.step_with_batch_queue())
+        if not engine.batch_queue:
             scheduler.check_integrity()
     for _ in range(5000):
-        if not pipeline.busy():
+        if not engine.has_work():
             break
-        for out in pipeline.step():
-            if out.finish_reason:
-                finished[out.request_id] = out.finish_reason
+        record(engine.step_with_batch_queue())
     assert not scheduler.has_unfinished_requests(), "the scheduler stopped making progress"
     assert len(finished) == next_id and set(finished.values()) == {"stop", "length", "abort",
-                                                                 "rejected"}
+                                                                 "error"}
     assert scheduler.num_preemptions > 0, "the cache was meant to be small enough to preempt"
     pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == num_blocks - 1 and not worker.states
+    assert pool.get_num_free_blocks() == num_blocks - 1
+    # Handles finished after the last step are announced with the next step, if any.
+    assert sorted(worker.states) == sorted(scheduler.finished_req_ids)
     scheduler.check_integrity()

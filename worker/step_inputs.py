@@ -28,10 +28,9 @@ def prepare_step(batch: InputBatch, so: SchedulerOutput) -> StepInputs:
     Request i's tokens are positions `[computed_i, computed_i + count_i)`; it is sampled when
     that reaches its known tokens. Each tensor is built once on the host and copied once.
     """
-    req_ids = [r.req_id for r in so.scheduled_new_reqs]
-    req_ids.extend(so.scheduled_cached_reqs.req_ids)
+    req_ids = so.scheduled_req_ids
     rows = batch.rows_of(req_ids)
-    counts = as_array(so.num_scheduled_tokens.counts)
+    counts = as_array(so.scheduled_token_counts)
     computed = batch.num_computed[rows]
     seq_lens = computed + counts
     _check_step(batch, so, rows, counts, seq_lens)
@@ -64,13 +63,13 @@ def _check_step(batch: InputBatch, so: SchedulerOutput, rows: np.ndarray, counts
     beyond = seq_lens > batch.num_tokens[rows]
     if beyond.any():
         i = int(np.flatnonzero(beyond)[0])
-        raise StepProtocolError(f"step {so.step}: request {so.num_scheduled_tokens.order[i]} "
+        raise StepProtocolError(f"step {so.step}: request {so.scheduled_req_ids[i]} "
                                 f"scheduled up to {seq_lens[i]} of {batch.num_tokens[rows[i]]} "
                                 "known tokens")
     short = -(-seq_lens // batch.block_size) > batch.num_blocks[rows]
     if short.any():
         i = int(np.flatnonzero(short)[0])
-        raise StepProtocolError(f"step {so.step}: request {so.num_scheduled_tokens.order[i]} "
+        raise StepProtocolError(f"step {so.step}: request {so.scheduled_req_ids[i]} "
                                 f"has too few KV blocks for {seq_lens[i]} tokens")
 
 
