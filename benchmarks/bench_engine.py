@@ -23,7 +23,7 @@ from bench_model_runner import huggingface, make_model
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import LLM, SamplingParams
-from protocol import AddRequest, Channel, Codec, WorkerConfig
+from protocol import AddRequest, Channel, Codec, EngineConfig
 from worker.model_runner import ModelRunner
 
 N = 256
@@ -60,7 +60,7 @@ def step_intervals(model: str, tp: int, async_scheduling: bool,
 
 def forward_time(model: str) -> tuple[float, float]:
     """(forward, whole execute_model) medians in seconds for a 256-request decode step."""
-    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", max_num_seqs=N,
+    runner = ModelRunner(EngineConfig(model=model, dtype="float32", max_num_seqs=N,
                                       num_gpu_blocks_override=N * 8 + 1, max_model_len=256))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=N, max_num_batched_tokens=4096,
                                           max_model_len=256), CacheConfig(16, runner.num_blocks))

@@ -17,7 +17,7 @@ import torch
 from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
-from protocol import SamplingParams, WorkerConfig
+from protocol import EngineConfig, SamplingParams
 from worker.model_runner import ModelRunner
 
 
@@ -32,7 +32,7 @@ def make_model(directory: str) -> str:
 
 
 def ours(model_dir: str, prompts: list[list[int]], new_tokens: int) -> float:
-    runner = ModelRunner(WorkerConfig(model=model_dir, dtype="float32", max_model_len=1024,
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", max_model_len=1024,
                                       max_num_seqs=len(prompts),
                                       kv_cache_memory_bytes=256 << 20))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=2048,

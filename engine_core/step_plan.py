@@ -9,7 +9,8 @@ from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.request_table import RequestTable
 from protocol.int_column import IntColumn
-from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from protocol.scheduler_output import (CachedRequestData, NewRequestData, ScheduledTokens,
+                                       SchedulerOutput)
 
 
 @dataclass(slots=True)
@@ -104,8 +105,9 @@ class StepPlan:
                                    _column(table.num_computed[handles], max_model_len),
                                    self.new_block_ids, self.resumed)
         counts = self.scheduled()[2]
-        return SchedulerOutput(new_reqs, cached, _column(counts, int(counts.max(initial=0)) + 1),
-                               int(counts.sum()), finished_req_ids, self.preempted, step)
+        tokens = ScheduledTokens(_column(counts, int(counts.max(initial=0)) + 1))
+        return SchedulerOutput(new_reqs, cached, tokens, int(counts.sum()), finished_req_ids,
+                               self.preempted, step)
 
 
 def _column(values: np.ndarray, bound: int) -> IntColumn:

@@ -19,11 +19,12 @@ from common.log_limiter import LogLimiter
 
 from protocol.engine_messages import CoreToFrontend, FrontendToCore
 from protocol.int_column import IntColumn
+from protocol.scheduler_output import ScheduledTokens
 from protocol.worker_messages import CoreToWorker, WorkerToCore
 
 logger = logging.getLogger("deltaserve")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = 0xD5
 HEADER = bytes((MAGIC, PROTOCOL_VERSION))
 
@@ -50,6 +51,8 @@ _MESSAGE_TYPES: dict[Channel, Any] = {
 
 
 def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, ScheduledTokens):
+        return obj.counts.to_wire()
     if isinstance(obj, IntColumn):
         return obj.to_wire()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
@@ -58,10 +61,14 @@ def _enc_hook(obj: Any) -> Any:
 def _dec_hook(kind: type, obj: Any) -> Any:
     if isinstance(obj, bytes) and kind is IntColumn:
         return IntColumn.from_wire(obj)
+    if isinstance(obj, bytes) and kind is ScheduledTokens:
+        return ScheduledTokens(IntColumn.from_wire(obj))
     raise msgspec.ValidationError(f"expected {kind.__name__}, got {type(obj).__name__}")
 
 
 def _readable(obj: Any) -> Any:
+    if isinstance(obj, ScheduledTokens):
+        return dict(obj.items())
     if isinstance(obj, IntColumn):
         return obj.tolist()
     raise NotImplementedError(f"cannot show {type(obj).__name__}")

@@ -23,7 +23,7 @@ def _new(handle: int, prompt: list[int], blocks: list[int]) -> NewRequestData:
 
 
 def _first_step(runner):
-    so = SchedulerOutput([_new(0, [1, 2, 3], [1])], scheduled_token_counts=[3],
+    so = SchedulerOutput([_new(0, [1, 2, 3], [1])], num_scheduled_tokens={0: 3},
                          total_num_scheduled_tokens=3, step=1)
     out = runner.execute_model(so)
     assert out.req_ids == [0] and len(out.sampled_token_ids[0]) == 1
@@ -31,7 +31,7 @@ def _first_step(runner):
 
 def _cached(step: int, computed: int, handle: int = 0, blocks=None) -> SchedulerOutput:
     return SchedulerOutput(scheduled_cached_reqs=CachedRequestData([handle], [computed], [blocks]),
-                           scheduled_token_counts=[1], total_num_scheduled_tokens=1,
+                           num_scheduled_tokens={handle: 1}, total_num_scheduled_tokens=1,
                            step=step)
 
 
@@ -45,12 +45,12 @@ def test_step_gap(runner_factory):
 @pytest.mark.parametrize("so,message", [
     (_cached(2, 3, handle=5), "unknown request handle 5"),
     (_cached(2, 2), "has 3 computed tokens here, the scheduler says 2"),
-    (SchedulerOutput([_new(0, [4], [2])], scheduled_token_counts=[1],
+    (SchedulerOutput([_new(0, [4], [2])], num_scheduled_tokens={0: 1},
                      total_num_scheduled_tokens=1, step=2), "already live"),
     (SchedulerOutput(scheduled_cached_reqs=CachedRequestData([0], [3], [None]),
-                     scheduled_token_counts=[2], total_num_scheduled_tokens=2, step=2),
+                     num_scheduled_tokens={0: 2}, total_num_scheduled_tokens=2, step=2),
      "scheduled up to 5 of 4 known tokens"),
-    (SchedulerOutput([_new(1, list(range(20)), [2])], scheduled_token_counts=[20],
+    (SchedulerOutput([_new(1, list(range(20)), [2])], num_scheduled_tokens={1: 20},
                      total_num_scheduled_tokens=20, step=2), "too few KV blocks"),
 ])
 def test_contradicting_steps_are_refused(runner_factory, so, message):
@@ -63,6 +63,6 @@ def test_contradicting_steps_are_refused(runner_factory, so, message):
 def test_finish_then_reuse_handle(runner_factory):
     runner = runner_factory()
     _first_step(runner)
-    so = SchedulerOutput([_new(0, [9, 9], [3])], scheduled_token_counts=[2],
+    so = SchedulerOutput([_new(0, [9, 9], [3])], num_scheduled_tokens={0: 2},
                          total_num_scheduled_tokens=2, finished_req_ids=[0], step=2)
     assert runner.execute_model(so).req_ids == [0]

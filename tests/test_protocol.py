@@ -58,13 +58,13 @@ def test_num_scheduled_tokens_is_a_dict_in_step_order():
     assert list(so.num_scheduled_tokens) == [3, 0, 1]
     decoded = Codec(Channel.CORE_TO_WORKER).decode(Codec(Channel.CORE_TO_WORKER).encode(so))
     assert list(decoded.num_scheduled_tokens.items()) == [(3, 3), (0, 1), (1, 5)]
-    assert to_builtins(so)[3] == [3, 1, 5]
+    assert to_builtins(so)[3] == {3: 3, 0: 1, 1: 5}
 
 
 def test_one_token_count_per_scheduled_request():
-    with pytest.raises(ValueError, match="2 token counts for 1 requests"):
+    with pytest.raises(ValueError, match="must be exactly the scheduled handles"):
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData([1], [0], [None]),
-                        scheduled_token_counts=[1, 1])
+                        num_scheduled_tokens={1: 1, 2: 1})
 
 
 def _bad_frames() -> list[tuple[bytes, str]]:
@@ -122,7 +122,7 @@ def test_decode_step_is_compact():
     n = 256
     cached = CachedRequestData(list(range(n)), [3000 + 17 * i for i in range(n)], [None] * n)
     so = SchedulerOutput(scheduled_cached_reqs=cached,
-                         scheduled_token_counts=[1] * n,
+                         num_scheduled_tokens=dict.fromkeys(range(n), 1),
                          total_num_scheduled_tokens=n, step=123456)
     frame = Codec(Channel.CORE_TO_WORKER).encode(so)
     assert len(frame) / n <= 8.0

@@ -63,7 +63,7 @@ def worker(tmp_path):
 
 def _step(step: int) -> SchedulerOutput:
     new = NewRequestData(0, "r", [5, 6, 7], SamplingParams(temperature=0.0), [1])
-    return SchedulerOutput([new], scheduled_token_counts=[3], total_num_scheduled_tokens=3,
+    return SchedulerOutput([new], num_scheduled_tokens={0: 3}, total_num_scheduled_tokens=3,
                            step=step)
 
 
