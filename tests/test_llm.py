@@ -125,3 +125,15 @@ def test_two_engines_at_once_do_not_collide(tiny, llm):
         out_a = a.generate("def add", params, use_tqdm=False)
         out_b = b.generate("def add", params, use_tqdm=False)
     assert out_a[0].outputs[0].token_ids == out_b[0].outputs[0].token_ids
+
+
+def test_tp2_with_an_odd_number_of_kv_heads_matches_hf(tmp_path):
+    """3 KV heads over 2 ranks: whole GQA groups per rank (2 + 1), as SmolLM2 needs."""
+    path = make_tiny_model(str(tmp_path / "m"), "llama", num_attention_heads=6,
+                           num_key_value_heads=3, hidden_size=96)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(40, 70))}]
+    with LLM(path, tensor_parallel_size=2, dtype="float32", max_model_len=128) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                    ignore_eos=True), use_tqdm=False)
+    refs = hf_greedy(path, [p["prompt_token_ids"] for p in prompts], NEW)
+    assert_greedy_matches([o.outputs[0].token_ids for o in outs], refs)

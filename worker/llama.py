@@ -25,7 +25,9 @@ class LlamaAttention(nn.Module):
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, tp, config.attention_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, tp,
+            shard=(self.qkv_proj.q_start * d, self.qkv_proj.num_heads * d))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim, self.scale, self.backend = d, d ** -0.5, backend
         if config.qk_norm:
