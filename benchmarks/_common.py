@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Self
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -73,8 +74,8 @@ class Peer:
     temporary file, whose tail is shown if a call fails."""
 
     def __init__(self, python: str) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log",
-                                               delete=False)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open while the peer lives)
+            "w+", prefix="vllm-peer-", suffix=".log", delete=False)
         cache = os.path.join(tempfile.gettempdir(), "deltaserve-bench-vllm-cache")
         env = {**os.environ, **VLLM_ENV, "VLLM_CACHE_ROOT": cache}
         env.pop("PYTHONPATH", None)  # the peer imports nothing of ours
@@ -106,7 +107,7 @@ class Peer:
                 self.proc.wait()
         self.log.close()
 
-    def __enter__(self) -> Peer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

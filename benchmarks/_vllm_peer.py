@@ -62,13 +62,22 @@ def sched_init(model: str, num_requests: int, prompt_len: int, block_size: int,
     its prefill (one step, as the budget covers all prompts)."""
     import torch
     import vllm
-    from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -152,7 +161,7 @@ def main() -> None:
             break
         try:
             reply = {"ok": True, **OPS[op](**request)}
-        except Exception as exc:  # reported to the driver, which raises it
+        except Exception as exc:  # noqa: BLE001 (reported to the driver, which raises it)
             import traceback
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

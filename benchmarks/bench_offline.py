@@ -90,8 +90,8 @@ def dtype_agreement(result: dict, tokens: dict, reference: dict, ref_dtype: str)
         c = agree[engine] = compare(reference[engine], toks)
         # an identical sequence agrees for all its positions
         lengths = c["first_diff_positions"] + [result["out"]] * c["exact"]
-        parts.append(f"{engine} {c['exact']}/{c['sequences']} identical, median agreeing "
-                     f"prefix {statistics.median(lengths):.0f}")
+        parts.append(f"{engine} {c['exact']}/{c['sequences']} identical, mean agreeing "
+                     f"prefix {statistics.fmean(lengths):.1f} of {result['out']}")
     print(f"  vs the same engine's {ref_dtype} tokens: " + "; ".join(parts))
 
 
@@ -117,7 +117,7 @@ def report(result: dict, dtype: str) -> None:
 @contextlib.contextmanager
 def engines_for(dtype: str, args, max_model_len: int, max_seqs: int):
     """Both engines started (and warmed up) for one dtype; yields {name: run(prompts, n)}."""
-    common = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_seqs)
+    common = {"dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_seqs}
     batched = {"max_num_batched_tokens": args.max_num_batched_tokens}
     with contextlib.ExitStack() as stack:
         llm = stack.enter_context(LLM(args.model, enable_prefix_caching=False,
