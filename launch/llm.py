@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from launch.engine_client import EngineClient
+from launch.model_cache import resolve_model
 from launch.outputs import RequestOutput
 from launch.request_tracker import RequestTracker
 from launch.tokenizer import load_tokenizer, stop_token_ids_of
@@ -31,6 +32,7 @@ class LLM:
                  enable_prefix_caching: bool = True, num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0,
                  **engine_args: Any) -> None:
+        model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
         if not os.path.isdir(model):
             raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
                              "(nothing is downloaded from a model hub)")
