@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 MARKER = "deltaserve-model.json"
 CACHE_FORMAT = 1  # bump when the converter's output changes: cached directories rebuild
@@ -192,7 +192,10 @@ def file_sha256(path: str) -> str:
 
 
 def _marker(source: ModelSource) -> dict[str, object]:
-    return {"format": CACHE_FORMAT, **asdict(source)}
+    """What a cached directory was built from: a change to any of it rebuilds the directory
+    (the license and description are not part of that)."""
+    return {"format": CACHE_FORMAT, "wheel": source.wheel, "version": source.version,
+            "sha256": source.sha256, "gguf_path": source.gguf_path}
 
 
 def _stderr_fd() -> int | None:

