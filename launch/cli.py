@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine's worker secret (default: $DELTASERVE_WORKER_SECRET)")
     _replay_parser(sub)
     _journal_parser(sub)
+    from launch import model_commands
+    model_commands.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         from worker.worker_proc import main as worker_main
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             return replay(args)
         if args.command == "journal":
             return journal(args)
+        if args.command in ("download", "convert"):
+            return model_commands.run(args)
         return generate(args)
     except JournalError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Any
 
 from launch.engine_client import EngineClient
 from launch.input_processor import InputProcessor, PromptType, per_prompt
+from launch.model_cache import resolve_model
 from launch.outputs import RequestOutput
 from launch.request_tracker import RequestTracker
 from launch.tokenizer import load_tokenizer, stop_token_ids_of
@@ -22,6 +23,7 @@ def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient,
     """Start the engine-core process (which starts the workers) for `model` and the engine
     options in `engine_args` (the fields of `EngineConfig`), load the tokenizer meanwhile, and
     wait until the engine is ready."""
+    model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
     if not os.path.isdir(model):
         raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
                          "(nothing is downloaded from a model hub)")
