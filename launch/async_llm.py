@@ -74,11 +74,12 @@ class AsyncLLM:
 
     # --- requests -------------------------------------------------------------------------
 
-    def process_inputs(self, prompt: PromptType, params: SamplingParams | None
-                       ) -> ProcessedInput:
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | None,
+                       add_special_tokens: bool = True) -> ProcessedInput:
         """Tokenize and validate; ValueError naming the field for anything the engine would
-        refuse (the checks and messages of `LLM.generate`)."""
-        text, ids = self.inputs.tokenize(prompt)
+        refuse (the checks and messages of `LLM.generate`). A rendered chat prompt already
+        holds its special tokens: `add_special_tokens=False`."""
+        text, ids = self.inputs.tokenize(prompt, add_special_tokens)
         return ProcessedInput(text, ids, self.inputs.resolve(ids, params or SamplingParams()))
 
     def add_request(self, request_id: str, inputs: ProcessedInput, priority: int = 0,
@@ -115,13 +116,14 @@ class AsyncLLM:
                 yield out
         finally:
             if not stream.finished:
-                self._abort_now(request_id)
+                self.abort_request(request_id)
 
     async def abort(self, request_id: str) -> None:
         """End the request: its stream gets a last output with finish_reason "abort"."""
-        self._abort_now(request_id)
+        self.abort_request(request_id)
 
-    def _abort_now(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> None:
+        """`abort`, callable outside a coroutine; unknown or finished ids are ignored."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return

@@ -111,14 +111,14 @@ class RequestState:
                 seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
 
     def output(self, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestOutput:
-        """The request so far. CUMULATIVE: every sequence's text and tokens from the start
+        """The request so far. CUMULATIVE (and FINAL_ONLY): every sequence's text and tokens from the start
         (the same objects, updated in place). DELTA: only what earlier DELTA outputs did not
         carry, as fresh objects; text that a stop string could still cut is held back, so the
         concatenated deltas always equal the final text."""
-        if kind is RequestOutputKind.CUMULATIVE:
-            outputs = [s.output for s in self.sequences]
-        else:
+        if kind is RequestOutputKind.DELTA:
             outputs = [_take_delta(s) for s in self.sequences]
+        else:
+            outputs = [s.output for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.finished, self.num_cached_tokens)
 

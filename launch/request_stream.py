@@ -44,12 +44,17 @@ class RequestStream:
             raise StopAsyncIteration
         await self._changed.wait()
         self._changed.clear()
+        while self.kind is RequestOutputKind.FINAL_ONLY and not (self.state.finished
+                                                                  or self._error):
+            await self._changed.wait()
+            self._changed.clear()
         if self._error is not None:
             self._done = True
             raise self._error
         out = self.state.output(self.kind)
         self._done = out.finished
-        if self.kind is RequestOutputKind.CUMULATIVE:  # a snapshot the handler will not touch
+        if self.kind is RequestOutputKind.CUMULATIVE and not self._done:
+            # A snapshot: the output handler goes on updating the state's own objects.
             out.outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
                                                logprobs=None if o.logprobs is None
                                                else list(o.logprobs)) for o in out.outputs]
