@@ -132,6 +132,10 @@ class AsyncLLM:
             self._routes.pop(child_id, None)
         stream.state.finish_all("abort")
         stream.notify()
+        stats = IterationStats(time.time(), finished_reasons=["abort"] * len(children))
+        self._finished(stream, stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
         if self.dead is None:
             try:
                 self.engine.abort_requests(children)

@@ -32,6 +32,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM's extension: token ids in each choice
     n: Any = None
     temperature: Any = None
     top_p: Any = None

@@ -79,11 +79,13 @@ class OpenAIServingChat(OpenAIServing):
                     "message": {"role": "assistant", "content": seq.text},
                     "logprobs": chat_logprobs(seq, body.top_logprobs or 0)
                     if body.logprobs else None,
-                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                    **({"token_ids": seq.token_ids} if body.return_token_ids else {})}
                    for seq in out.outputs]
         return json_response({
             "id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
             "choices": choices,
+            **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
             "usage": usage(len(out.prompt_token_ids),
                            sum(len(s.token_ids) for s in out.outputs))})
 

@@ -39,8 +39,12 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = self._prompt_text(inputs[i]) if body.echo else ""
             for seq in out.outputs:
                 generated += len(seq.token_ids)
-                choices.append(self._choice(i * params.n + seq.index, echo + seq.text, seq,
-                                            body.logprobs, len(echo)))
+                choice = self._choice(i * params.n + seq.index, echo + seq.text, seq,
+                                      body.logprobs, len(echo))
+                if body.return_token_ids:
+                    choice.update(token_ids=seq.token_ids,
+                                  prompt_token_ids=inputs[i].prompt_token_ids)
+                choices.append(choice)
         return json_response({
             "id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
             "choices": choices,
@@ -55,6 +59,8 @@ class OpenAIServingCompletion(OpenAIServing):
         def chunk(index: int, text: str, seq: CompletionOutput | None) -> bytes:
             choice = self._choice(index, text, seq, body.logprobs, offsets[index])
             offsets[index] += len(text)
+            if body.return_token_ids and seq is not None:
+                choice["token_ids"] = seq.token_ids
             return sse({"id": rid, "object": "text_completion", "created": created,
                         "model": self.model_name, "choices": [choice]})
         try:
