@@ -42,7 +42,7 @@ class Server:
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready(startup_s)
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
-        self.runtime_dir = _runtime_dir(self.children)
+        self.runtime_dir = _runtime_dir(self.proc.pid)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -89,12 +89,9 @@ class Server:
         return self.proc.returncode
 
 
-def _runtime_dir(children: list[psutil.Process]) -> str | None:
-    for child in children:
-        try:
-            cmdline = child.cmdline()
-        except psutil.Error:
-            continue
-        if "--runtime-dir" in cmdline:
-            return cmdline[cmdline.index("--runtime-dir") + 1]
+def _runtime_dir(pid: int) -> str | None:
+    """The directory of the engine's ipc sockets, which the server process binds."""
+    for conn in psutil.Process(pid).net_connections(kind="unix"):
+        if conn.laddr and os.path.basename(os.path.dirname(conn.laddr)).startswith("deltaserve-"):
+            return os.path.dirname(conn.laddr)
     return None
