@@ -42,7 +42,7 @@ class Request:
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
-                 "length_end")
+                 "length_end", "scheduled_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -75,6 +75,7 @@ class Request:
         # Tokens scheduled to be sampled whose values have not come back yet (async
         # scheduling only; they sit after all_token_ids, and only the workers know them).
         self.num_output_placeholders = 0
+        self.scheduled_time: float | None = None  # time.time() when first scheduled
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The scheduler: one token budget per step, running requests first, then waiting ones."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -150,7 +151,9 @@ class Scheduler:
             outputs.append(EngineCoreOutput(request.request_id, token_ids, reason,
                                             request.stop_reason,
                                             logprobs[i] if logprobs else None,
-                                            request.num_cached_tokens))
+                                            request.num_cached_tokens,
+                                            scheduled_time=request.scheduled_time
+                                            if request.num_output_tokens == len(token_ids) else None))
         self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
         if stopped:
             self._finish_stopped(stopped)
@@ -259,8 +262,9 @@ class Scheduler:
         if request.req_id < 0:
             request.req_id = self.handles.allocate()
             self.requests_by_handle[request.req_id] = request
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # first scheduled
             request.num_cached_tokens = num_computed_tokens
+            request.scheduled_time = time.time()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
         self.table.admit(request, self.kv_cache_manager)

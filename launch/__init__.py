@@ -1,8 +1,10 @@
-"""The processes a user starts: the offline `LLM` front-end and the `deltaserve` CLI."""
+"""The processes a user starts: the offline `LLM`, the online `AsyncLLM` (and the server on
+it), and the `deltaserve` CLI."""
+from launch.async_llm import AsyncLLM
 from launch.errors import EngineDeadError
 from launch.llm import LLM
-from launch.outputs import CompletionOutput, Logprob, RequestOutput
+from launch.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from protocol import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineDeadError", "RequestOutput", "CompletionOutput",
-           "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineDeadError", "RequestOutput",
+           "CompletionOutput", "Logprob", "RequestOutputKind"]

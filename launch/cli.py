@@ -90,10 +90,21 @@ def journal(args: argparse.Namespace) -> int:
     return timeline.draw(args.journal, args.output)
 
 
+def _serve_parsers(sub: argparse._SubParsersAction) -> None:
+    from launch.bench_serve import add_bench_serve_args
+    from launch.server import add_serve_args
+    add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True)
+    add_bench_serve_args(bench.add_parser(
+        "serve", help="drive an OpenAI-compatible server with a load; report its latency"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaserve", description="deltaserve LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parsers(sub)
     worker = sub.add_parser("worker", help="run one worker rank and join an engine")
     worker.add_argument("--connect", required=True)
     worker.add_argument("--rank", type=int, required=True)
@@ -118,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             return journal(args)
         if args.command in ("download", "convert"):
             return model_commands.run(args)
+        if args.command == "serve":
+            from launch.server import serve
+            return serve(args)
+        if args.command == "bench":
+            from launch.bench_serve import bench_serve
+            return bench_serve(args)
         return generate(args)
     except JournalError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)

@@ -33,7 +33,8 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self._codec = Codec(Channel.FRONTEND_TO_CORE)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True
+                 ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a string or `{"prompt_token_ids": [...]}` prompt."""
         if isinstance(prompt, dict):
             ids = prompt.get("prompt_token_ids")
@@ -53,7 +54,7 @@ class InputProcessor:
         except UnicodeEncodeError as e:
             raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position "
                              f"{e.start})") from None
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def resolve(self, token_ids: list[int], params: Any) -> SamplingParams:
         """Check the prompt and parameters against the engine's limits; fill in defaults."""

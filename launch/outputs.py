@@ -1,7 +1,19 @@
 """Results returned by `LLM.generate`, shaped like vLLM's."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a stream carries, as vLLM's `output_kind`: CUMULATIVE,
+    everything so far (`LLM` and `AsyncLLM`'s default); DELTA, only what is new since the
+    previous output of the stream (what the server streams); FINAL_ONLY, one output when the
+    request has finished."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ class JsonTokenizer:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -46,7 +46,9 @@ class EngineCoreOutput(WireStruct):
     """New tokens of one request; `finish_reason` set on its last output.
 
     `stop_reason` is the stop token id that ended it (the front-end puts the matched stop
-    string there); `error` explains a request the engine refused or failed.
+    string there); `error` explains a request the engine refused or failed. `scheduled_time`
+    (time.time() in the engine core) is when the request was first scheduled, on its first
+    output only (the front-end's queue-time metric).
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class EngineCoreOutput(WireStruct):
     logprobs: list[SampleLogprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

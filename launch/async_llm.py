@@ -1,0 +1,231 @@
+"""The online API: `AsyncLLM`, the engine for many concurrent asyncio callers (the server).
+
+    engine = AsyncLLM(model="launch/default_model", max_num_seqs=64)
+    async for out in engine.generate("def f(", SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)    # cumulative by default; output_kind=DELTA: new text only
+
+Requests join the engine's running batch whenever they arrive. One asyncio task, the output
+handler, reads the engine core's output socket and routes each output to its request's
+`RequestStream`; it also notices the engine's death and then fails every stream with
+`EngineDeadError` (and every later call raises it at once).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import time
+import weakref
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from launch.engine_client import POLL_MS, EngineClient
+from launch.errors import EngineDeadError
+from launch.input_processor import PromptType
+from launch.iteration_stats import FinishedRequest, IterationStats, StatLogger
+from launch.llm import start_engine
+from launch.outputs import RequestOutput, RequestOutputKind
+from launch.request_state import RequestState
+from launch.request_stream import RequestStream
+from protocol import EngineCoreOutput, SamplingParams
+
+logger = logging.getLogger("deltaserve")
+
+
+@dataclass(frozen=True)
+class ProcessedInput:
+    """A validated prompt and its resolved parameters: what `add_request` submits."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AsyncLLM:
+    """Starts the engine (the engine options of `EngineConfig` as keyword arguments) and
+    serves `generate` calls from any number of asyncio tasks of one event loop."""
+
+    def __init__(self, model: str, stat_loggers: list[StatLogger] | None = None,
+                 **engine_args: Any) -> None:
+        self.engine, self.inputs = start_engine(model, engine_args)
+        self.config = self.engine.config
+        self.tokenizer = self.inputs.tokenizer
+        self.max_model_len = self.inputs.ready.max_model_len
+        self.stat_loggers = list(stat_loggers or [])
+        self.streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
+        self._routes: dict[str, tuple[RequestStream, int]] = {}  # engine id -> (stream, i)
+        self._handler: asyncio.Task | None = None
+        self.dead: EngineDeadError | None = None
+        self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)
+        atexit.register(self._finalizer)
+
+    @classmethod
+    def from_engine_args(cls, model: str, engine_args: dict[str, Any],
+                         **kwargs: Any) -> AsyncLLM:
+        return cls(model, **kwargs, **engine_args)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead is not None
+
+    # --- requests -------------------------------------------------------------------------
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | None,
+                       add_special_tokens: bool = True) -> ProcessedInput:
+        """Tokenize and validate; ValueError naming the field for anything the engine would
+        refuse (the checks and messages of `LLM.generate`). A rendered chat prompt already
+        holds its special tokens: `add_special_tokens=False`."""
+        text, ids = self.inputs.tokenize(prompt, add_special_tokens)
+        return ProcessedInput(text, ids, self.inputs.resolve(ids, params or SamplingParams()))
+
+    def add_request(self, request_id: str, inputs: ProcessedInput, priority: int = 0,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+                    ) -> RequestStream:
+        """Submit a processed request now; its outputs arrive on the returned stream."""
+        self._check_alive()
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.start()
+        state = RequestState.create(request_id, inputs.prompt, inputs.prompt_token_ids,
+                                    inputs.params, self.tokenizer)
+        stream = RequestStream(state, output_kind)
+        requests = [self.inputs.make_request(child_id, inputs.prompt_token_ids, seq.params,
+                                             state.times.arrival, priority)
+                    for child_id, seq in zip(state.child_ids, state.sequences)]
+        self.engine.add_requests(requests)
+        self.streams[request_id] = stream
+        for i, child_id in enumerate(state.child_ids):
+            self._routes[child_id] = (stream, i)
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs as tokens arrive; the last has `finished` set. A
+        consumer that stops early (or is cancelled) aborts the request in the engine."""
+        request_id = request_id if request_id is not None else f"async-{id(object())}"
+        stream = self.add_request(request_id, self.process_inputs(prompt, sampling_params),
+                                  priority, output_kind)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort_request(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """End the request: its stream gets a last output with finish_reason "abort"."""
+        self.abort_request(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """`abort`, callable outside a coroutine; unknown or finished ids are ignored."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        children = stream.state.unfinished_child_ids()
+        for child_id in stream.state.child_ids:
+            self._routes.pop(child_id, None)
+        stream.state.finish_all("abort")
+        stream.notify()
+        stats = IterationStats(time.time(), finished_reasons=["abort"] * len(children))
+        self._finished(stream, stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+        if self.dead is None:
+            try:
+                self.engine.abort_requests(children)
+            except EngineDeadError:
+                pass  # the output handler reports it to everyone
+
+    # --- the output handler ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the output handler on the running event loop (done by the first request)."""
+        if self._handler is None or self._handler.done():
+            self._check_alive()
+            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        socket = zmq.asyncio.Socket.shadow(self.engine.output.underlying)
+        try:
+            while True:
+                await socket.poll(POLL_MS, zmq.POLLIN)
+                outputs = self.engine.get_outputs(0)  # also checks the engine is alive
+                if outputs:
+                    self._process(outputs)
+        except EngineDeadError as e:
+            self.fail_all(e)
+        except Exception as e:  # a bug here must not leave streams hanging
+            logger.exception("the output handler failed")
+            self.fail_all(EngineDeadError(f"the front-end's output handler failed: {e!r}",
+                                          "front-end"))
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+        stats = IterationStats(time.time(), scheduler=self.engine.stats)
+        aborts: list[str] = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # aborted here already, or the echo of a stop-string abort
+            stream, index = route
+            self._account(stream.state, out, stats)
+            if stream.state.update(index, out, self.tokenizer):
+                aborts.append(out.request_id)
+            if stream.state.sequences[index].output.finished():
+                del self._routes[out.request_id]
+                stats.finished_reasons.append(stream.state.sequences[index].output.finish_reason)
+                if stream.state.finished:
+                    self._finished(stream, stats)
+            stream.notify()
+        if aborts:
+            self.engine.abort_requests(aborts)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+
+    @staticmethod
+    def _account(state: RequestState, out: EngineCoreOutput, stats: IterationStats) -> None:
+        times, n = state.times, len(out.new_token_ids)
+        if out.scheduled_time is not None and times.queued_s is None:
+            times.queued_s = max(0.0, out.scheduled_time - times.arrival)
+        if not n:
+            return
+        stats.num_generation_tokens += n
+        if times.first_token is None:
+            times.first_token = stats.time
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+            stats.ttfts_s.append(stats.time - times.arrival)
+        elif times.last_token is not None:
+            stats.itls_s.append(stats.time - times.last_token)
+        times.last_token = stats.time
+
+    def _finished(self, stream: RequestStream, stats: IterationStats) -> None:
+        self.streams.pop(stream.request_id, None)
+        times = stream.state.times
+        reason = stream.state.sequences[0].output.finish_reason or "abort"
+        stats.finished.append(FinishedRequest(reason, stats.time - times.arrival,
+                                              times.queued_s))
+
+    # --- death and shutdown ---------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """End every pending stream with `error`; later calls raise it at once."""
+        self.dead = self.dead or error
+        streams, self.streams, self._routes = list(self.streams.values()), {}, {}
+        for stream in streams:
+            stream.fail(error)
+
+    def shutdown(self) -> None:
+        """Fail pending streams, stop the output handler and every engine process."""
+        self.fail_all(EngineDeadError("the engine was shut down", "front-end"))
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self._finalizer()
