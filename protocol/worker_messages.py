@@ -59,6 +59,7 @@ class WorkerReady(msgspec.Struct, tag=41, **_WIRE):
     device: str = "cpu"
     attention_backend: str = "torch"
     vocab_size: int = 0
+    dtype: str = ""  # the compute dtype (float32 where a half dtype has no native CPU support)
 
 
 class WorkerError(msgspec.Struct, tag=42, **_WIRE):
