@@ -84,7 +84,7 @@ class WorkerGroup:
                 raise self._blame(self._failure_of(message, identity))
         self.started = True
         logger.info("workers ready: %s", ", ".join(
-            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend})"
+            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend}, {m.dtype})"
             for r, m in sorted(ready.items())))
         return WorkerCapacity(min(m.num_blocks for m in ready.values()),
                               min(m.max_model_len for m in ready.values()),

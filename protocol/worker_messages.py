@@ -50,6 +50,7 @@ class WorkerReady(WireStruct, tag=41):
     device: str = "cpu"
     attention_backend: str = "torch"
     vocab_size: int = 0
+    dtype: str = ""  # the compute dtype (float32 where a half dtype has no native CPU support)
 
 
 class WorkerError(WireStruct, tag=42):

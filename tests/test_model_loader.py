@@ -29,7 +29,8 @@ def test_sharded_checkpoint_with_index(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_checkpoints(tmp_path, dtype):
+def test_low_precision_checkpoints(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("DELTASERVE_CPU_BF16", "1")  # as on a CPU with native half support
     path = make_tiny_model(str(tmp_path / "m"), "llama", dtype=dtype)
     assert ModelConfig.from_pretrained(path).dtype == dtype
     ours, _ = generate(path, PROMPTS["mixed"][:3])  # float32 compute, like the reference

@@ -23,10 +23,10 @@ PROMPTS = {
 def generate(model_dir: str, prompts: list[list[int]], *, num_blocks: int = 200,
              block_size: int = 16, budget: int = 512, max_num_seqs: int = 16,
              caching: bool = True, params: SamplingParams | None = None,
-             waves: int = 1) -> tuple[list[list[int]], Scheduler]:
+             waves: int = 1, dtype: str = "float32") -> tuple[list[list[int]], Scheduler]:
     """Run prompts through Scheduler + ModelRunner; `waves` > 1 submits them in turns, each
     after the previous finished, so later ones can hit the prefix cache of earlier ones."""
-    runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=block_size,
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype=dtype, block_size=block_size,
                                       num_gpu_blocks_override=num_blocks, max_model_len=256))
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

@@ -35,8 +35,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocab slice, gathered to the full (unpadded) vocab."""
+    """Logits for this rank's vocab slice, gathered to the full (unpadded) vocab.
+
+    Computed in float32 whatever the model dtype: a half-precision product rounds logits to
+    8 (bf16) bits, which turns near-ties into exact ties and flips greedy tokens. A float32
+    copy of the weight is made on first use (the weights are final by then)."""
+
+    weight_float32: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        """[n, hidden_size] -> [n, vocab_size] float32."""
+        if self.weight_float32 is None:
+            self.weight_float32 = self.weight.detach().float()
+        logits = self.tp.all_gather(F.linear(hidden.float(), self.weight_float32))
         return logits[..., :self.vocab_size]

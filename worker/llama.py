@@ -56,10 +56,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu(gate) * up in float32, rounded once (no-ops when computing in float32)
+        return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """The residual stream is float32 whatever the compute dtype (a bfloat16 stream loses
+    most of a bf16 model's precision over its layers); each sublayer runs in `dtype`, the
+    linear weights' dtype, and its output is added to the stream in float32."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallel,
                  backend: AttentionBackend) -> None:
         super().__init__()
@@ -68,11 +73,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mlp.down_proj.weight.dtype
+
+    def forward(self, positions: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
-                                         metadata, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """residual: [num_tokens, hidden_size] float32 -> the same, this layer added."""
+        dtype = self.dtype
+        residual = residual + self.self_attn(positions, self.input_layernorm(residual, dtype),
+                                             kv_cache, metadata, rotary)
+        return residual + self.mlp(self.post_attention_layernorm(residual, dtype))
 
 
 class LlamaModel(nn.Module):
@@ -88,10 +99,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        """-> [num_tokens, hidden_size] in the compute dtype (the LM head's)."""
+        embeds = self.embed_tokens(input_ids)  # [num_tokens, hidden_size], compute dtype
+        residual = embeds.float()
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary_emb)
-        return self.norm(hidden)
+            residual = layer(positions, residual, kv_cache, metadata, self.rotary_emb)
+        return self.norm(residual, embeds.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,4 +128,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, identical on every rank."""
-        return self.lm_head.compute_logits(hidden).float()
+        return self.lm_head.compute_logits(hidden)

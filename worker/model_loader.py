@@ -13,6 +13,7 @@ from torch import nn
 from worker.attention_backend import AttentionBackend
 from worker.llama import LlamaForCausalLM
 from worker.model_config import ModelConfig
+from worker.rms_norm import RMSNorm
 from worker.tensor_parallel import TensorParallel
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -21,11 +22,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend,
                max_positions: int) -> LlamaForCausalLM:
-    """Every supported architecture is a member of the Llama family (see `worker.llama`)."""
+    """Every supported architecture is a member of the Llama family (see `worker.llama`).
+
+    Parameters take `dtype`, except RMSNorm weights, which stay float32 (the norms compute in
+    float32); buffers (the RoPE tables) stay float32, as in Hugging Face."""
     with torch.device(device):
         model = LlamaForCausalLM(config, tp, backend, max_positions)
-    model.to(dtype=dtype)
-    model.model.rotary_emb.float()  # RoPE tables stay float32, as in Hugging Face
+    keep_float32 = {id(p) for m in model.modules() if isinstance(m, RMSNorm)
+                    for p in m.parameters()}
+    for param in model.parameters():  # each shared (tied) parameter once
+        if id(param) not in keep_float32:
+            param.data = param.data.to(dtype)
     load_weights(model, model_dir)
     return model.eval()
 

@@ -7,6 +7,7 @@ from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 from worker.attention_backend import make_attention_backend
+from worker.compute_dtype import resolve_compute_dtype
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from worker.model_config import ModelConfig
@@ -38,7 +39,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.dtype = self.model_config.resolve_dtype(config.dtype)
+        # The dtype of weights, activations and KV cache (float32 on a CPU without native
+        # support for the requested half dtype); residual stream and norms are float32.
+        self.dtype = resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
+                                           self.device)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.attention = make_attention_backend(config.attention_backend, self.device)

@@ -84,7 +84,8 @@ class WorkerProc:
         runner = ModelRunner(config, tp)
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
                                str(runner.device), runner.attention.name,
-                               runner.model_config.vocab_size))
+                               runner.model_config.vocab_size,
+                               str(runner.dtype).removeprefix("torch.")))
         return runner
 
     def _serve(self, runner: ModelRunner) -> int:
