@@ -9,7 +9,7 @@ import torch
 from model_utils import hf_greedy, model_dir_for
 from test_model_runner import PROMPTS, generate
 
-from protocol import WorkerConfig
+from protocol import EngineConfig
 from worker.compute_dtype import ENV_OVERRIDE, cpu_has_native, resolve_compute_dtype
 from worker.model_runner import ModelRunner
 from worker.rms_norm import RMSNorm
@@ -38,7 +38,7 @@ def test_override_forces_either_path(monkeypatch, forced, native):
 def test_fallback_computes_in_float32(model_dir, monkeypatch, caplog):
     monkeypatch.setenv(ENV_OVERRIDE, "0")
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        runner = ModelRunner(WorkerConfig(model=model_dir, dtype="bfloat16",
+        runner = ModelRunner(EngineConfig(model=model_dir, dtype="bfloat16",
                                           num_gpu_blocks_override=8))
     assert runner.dtype == torch.float32
     assert {p.dtype for p in runner.model.parameters()} == {torch.float32}
@@ -50,7 +50,7 @@ def test_fallback_computes_in_float32(model_dir, monkeypatch, caplog):
 
 def test_native_bf16_layout(model_dir, monkeypatch):
     monkeypatch.setenv(ENV_OVERRIDE, "1")
-    runner = ModelRunner(WorkerConfig(model=model_dir, dtype="bfloat16",
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype="bfloat16",
                                       num_gpu_blocks_override=8))
     assert runner.dtype == torch.bfloat16 and runner.kv_caches[0][0].dtype == torch.bfloat16
     for module in runner.model.modules():  # norms and RoPE tables stay float32
@@ -84,7 +84,7 @@ def _first_logits(model_dir: str, prompts: list[list[int]], dtype: str) -> torch
     """[len(prompts), vocab] float32: the logits of each prompt's first sampled token."""
     from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
     from protocol import SamplingParams
-    runner = ModelRunner(WorkerConfig(model=model_dir, dtype=dtype, num_gpu_blocks_override=64,
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype=dtype, num_gpu_blocks_override=64,
                                       max_model_len=256))
     scheduler = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(16, 64, False))
     seen: list[torch.Tensor] = []
