@@ -43,6 +43,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_cache_memory_bytes: Annotated[int | None, _opt("KV-cache bytes per worker")] = None
     gpu_memory_utilization: Annotated[float, _opt(
         "fraction of GPU memory the engine may use")] = 0.9
+    num_threads: Annotated[int | None, _opt(
+        "torch threads per worker; default: $OMP_NUM_THREADS if set, else the cores divided "
+        "among the ranks")] = None
     seed: Annotated[int, _opt("seed of requests that bring none")] = 0
     max_logprobs: Annotated[int, _opt("most logprobs a request may ask for per token")] = 20
     attention_backend: Annotated[AttentionBackendName, _opt(
@@ -69,6 +72,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"{field.name} must be one of {', '.join(choices)}, "
                                  f"got {value!r}")
         for name in ("tensor_parallel_size", "max_num_seqs", "block_size", "max_model_len",
+                     "num_threads",
                      "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -75,7 +75,7 @@ class WorkerProc:
 
     def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(_num_threads(config.num_threads, world))
         device = resolve_device(config.device)
         if device.type == "cuda" and config.device in ("auto", "cuda"):
             device = torch.device("cuda", self.rank % torch.cuda.device_count())
@@ -118,6 +118,17 @@ class WorkerProc:
                 return self.decoder.decode(self.socket.recv())
             except ProtocolError as e:
                 logger.warning("worker_%d dropped a frame: %s", self.rank, e)
+
+
+def _num_threads(configured: int | None, world: int) -> int:
+    """As configured; else OMP_NUM_THREADS when the environment sets it (as a test runner or a
+    shared host does); else this machine's cores divided among the ranks."""
+    if configured:
+        return configured
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 def main(argv: list[str] | None = None) -> int:
