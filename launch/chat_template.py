@@ -8,6 +8,8 @@ import os
 from datetime import datetime
 from typing import Any
 
+from launch.tokenizer import read_json
+
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                    "cls_token", "mask_token")
 
@@ -26,7 +28,7 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> ChatTemplate:
-        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        config = read_json(os.path.join(model_dir, "tokenizer_config.json"))
         source = _template_source(model_dir, config)
         if source is None:
             raise ChatTemplateError(f"the model directory {model_dir!r} has no chat template")
@@ -94,9 +96,3 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
             tokens[name] = value
     return tokens
 
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)

@@ -37,7 +37,7 @@ def load_tokenizer(model_dir: str) -> Any | None:
     is), or None when it ships none (token-id prompts still work then)."""
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
-    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+    config = read_json(os.path.join(model_dir, "tokenizer_config.json"))
     if (os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
             and config.get("tokenizer_class") in _GENERIC_CLASSES
             and not config.get("clean_up_tokenization_spaces")):
@@ -54,14 +54,15 @@ def stop_token_ids_of(model_dir: str, tokenizer: Any | None) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     for name in ("generation_config.json", "config.json"):
-        eos = _read_json(os.path.join(model_dir, name)).get("eos_token_id")
+        eos = read_json(os.path.join(model_dir, name)).get("eos_token_id")
         for token in eos if isinstance(eos, list) else [eos]:
             if isinstance(token, int) and token not in ids:
                 ids.append(token)
     return ids
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> dict[str, Any]:
+    """A model directory's JSON file, or {} when it has none."""
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
