@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 
-from launch.process import free_port
+from common.process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
