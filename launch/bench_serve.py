@@ -74,7 +74,7 @@ async def _run(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  limits=limits, timeout=args.request_timeout) as client:
         model, root = await _server_model(client, args.model)
-        prompts = _random_prompts(args, _vocab_size(args.tokenizer or args.model or root))
+        prompts = random_prompts(args, vocab_size(args.tokenizer or args.model or root))
         bar = tqdm(total=len(prompts), disable=args.disable_tqdm, unit="req")
         gate = asyncio.Semaphore(limit)
         rng = random.Random(args.seed)
@@ -104,7 +104,7 @@ async def _server_model(client, model: str | None) -> tuple[str, str | None]:
     return model or entry.get("id", ""), entry.get("root")
 
 
-def _vocab_size(model_dir: str | None) -> int:
+def vocab_size(model_dir: str | None) -> int:
     from launch.tokenizer import load_tokenizer
     if model_dir and os.path.isdir(model_dir):
         tokenizer = load_tokenizer(model_dir)
@@ -115,7 +115,7 @@ def _vocab_size(model_dir: str | None) -> int:
     return 256
 
 
-def _random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+def random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     return [[rng.randrange(1, vocab) for _ in range(args.random_input_len)]
             for _ in range(args.num_prompts)]

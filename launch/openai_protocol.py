@@ -16,6 +16,7 @@ from protocol import SamplingParams
 
 MAX_BODY_BYTES = 16 << 20
 MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_SEQUENCES = 4096  # prompts x n in one request
 
 # vLLM's sampling fields the completion and chat routes accept, as SamplingParams names them.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",

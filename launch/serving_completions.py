@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 from launch.api_error import APIError
 from launch.async_llm import ProcessedInput
 from launch.errors import EngineDeadError
-from launch.openai_protocol import CompletionRequest, completion_prompts, read_body, sampling_params
+from launch.openai_protocol import (MAX_SEQUENCES, CompletionRequest, completion_prompts,
+                                    read_body, sampling_params)
 from launch.openai_serving import (SSE_DONE, OpenAIServing, json_response, merge, now,
                                    request_id, sse, stream_error, until_disconnected, usage)
 from launch.outputs import CompletionOutput, RequestOutputKind
@@ -26,7 +27,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo")
         params = sampling_params(body, logprobs=body.logprobs)
-        inputs = [self.process(p, params) for p in completion_prompts(body.prompt)]
+        prompts = completion_prompts(body.prompt)
+        if len(prompts) * params.n > MAX_SEQUENCES:
+            raise APIError(400, f"at most {MAX_SEQUENCES} sequences (prompts x n) per request, "
+                           f"got {len(prompts) * params.n}", "n")
+        inputs = [self.process(p, params) for p in prompts]
         rid = request_id("cmpl")
         if body.stream:
             streams = self.submit(rid, inputs, RequestOutputKind.DELTA)

@@ -27,11 +27,13 @@ class Server:
     """`python -m launch serve ...` on a free loopback port; ready once /health answers."""
 
     def __init__(self, model: str, *args: str, api_key: str | None = None,
-                 startup_s: float = 180.0) -> None:
+                 startup_s: float = 180.0, omp_threads: str | None = "1") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        if omp_threads is not None:  # tests: no oversubscription (conftest sets it too)
+            env["OMP_NUM_THREADS"] = omp_threads
         env.pop("DELTASERVE_API_KEY", None)
         if api_key:
             env["DELTASERVE_API_KEY"] = api_key  # the flag's fallback
