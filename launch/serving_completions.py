@@ -33,9 +33,8 @@ class OpenAIServingCompletion(OpenAIServing):
                            f"got {len(prompts) * params.n}", "n")
         inputs = [self.process(p, params) for p in prompts]
         rid = request_id("cmpl")
-        if body.stream:
-            streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
-            return StreamingResponse(self._stream(rid, body, inputs, streams),
+        if body.stream:  # submitted once the response streams: a client gone before never is
+            return StreamingResponse(self._stream(rid, body, inputs),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         outputs = await until_disconnected(raw, self.collect(streams))
@@ -55,9 +54,9 @@ class OpenAIServingCompletion(OpenAIServing):
             "choices": choices,
             "usage": usage(sum(len(p.prompt_token_ids) for p in inputs), generated)})
 
-    async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput],
-                      streams: list[RequestStream]) -> AsyncIterator[bytes]:
-        n = len(streams[0].state.sequences)
+    async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput]
+                      ) -> AsyncIterator[bytes]:
+        n = inputs[0].params.n
         created, generated = now(), 0
         offsets = [0] * (n * len(inputs))
 
@@ -68,7 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice["token_ids"] = seq.token_ids
             return sse({"id": rid, "object": "text_completion", "created": created,
                         "model": self.model_name, "choices": [choice]})
+        streams: list[RequestStream] = []
         try:
+            streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
             if body.echo:
                 for i, processed in enumerate(inputs):
                     for j in range(n):
@@ -84,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
                            "usage": usage(sum(len(p.prompt_token_ids) for p in inputs),
                                           generated)})
             yield SSE_DONE
-        except EngineDeadError as e:
+        except (EngineDeadError, APIError) as e:
             yield stream_error(e)
             yield SSE_DONE
         finally:
