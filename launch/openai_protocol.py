@@ -103,6 +103,8 @@ async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
         raise APIError(400, f"invalid request: {e}", param) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None,

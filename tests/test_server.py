@@ -211,6 +211,8 @@ def test_error_shapes(server):
     assert r.json()["error"]["message"] == "temperature must be non-negative, got -1"
     assert _post(server, "/v1/completions", b"{not json").status_code == 400
     assert _post(server, "/v1/completions", b"[1, 2]").status_code == 400
+    deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    assert _post(server, "/v1/completions", deep).status_code == 400
     assert _post(server, "/v1/completions", b"x" * (17 << 20)).status_code == 413
     ok = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "unknown": [1]})
     assert ok.status_code == 200  # unknown fields are ignored, as OpenAI's API does
