@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -37,7 +38,7 @@ class Server:
         env.pop("DELTASERVE_API_KEY", None)
         if api_key:
             env["DELTASERVE_API_KEY"] = api_key  # the flag's fallback
-        self.log = open(os.path.join(os.path.dirname(model), f"server-{self.port}.log"), "w+")
+        self.log = tempfile.TemporaryFile("w+")  # its output, shown when a test fails
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "serve", "--model", model, "--port",
              str(self.port), "--log-level", "warning", *args],
