@@ -18,7 +18,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from launch.bench_report import report
+
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -70,18 +74,28 @@ async def _run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                 limits=limits, timeout=args.request_timeout) as client:
+    # One client (one connection) per request in flight: a shared pool rescans all its
+    # connections on every chunk read, which costs more CPU than the server's side of it.
+    clients: asyncio.Queue = asyncio.Queue()
+    tls = args.base_url.startswith("https:")  # else no CA bundle to load, per client
+    for _ in range(limit):
+        clients.put_nowait(httpx.AsyncClient(base_url=args.base_url.rstrip("/"),
+                                             headers=headers, timeout=args.request_timeout,
+                                             verify=tls))
+    try:
+        client = clients.get_nowait()
         model, root = await _server_model(client, args.model)
-        prompts = _random_prompts(args, _vocab_size(args.tokenizer or args.model or root))
+        clients.put_nowait(client)
+        prompts = random_prompts(args, vocab_size(args.tokenizer or args.model or root))
         bar = tqdm(total=len(prompts), disable=args.disable_tqdm, unit="req")
-        gate = asyncio.Semaphore(limit)
         rng = random.Random(args.seed)
 
         async def one(prompt: list[int]) -> RequestResult:
-            async with gate:
+            client = await clients.get()  # at most `limit` requests in flight
+            try:
                 result = await _request(client, model, prompt, args.random_output_len)
+            finally:
+                clients.put_nowait(client)
             bar.update(1)
             return result
         start = time.perf_counter()
@@ -93,6 +107,9 @@ async def _run(args: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+    finally:
+        while not clients.empty():
+            await clients.get_nowait().aclose()
     return summarize(results, duration, args, model)
 
 
@@ -104,7 +121,7 @@ async def _server_model(client, model: str | None) -> tuple[str, str | None]:
     return model or entry.get("id", ""), entry.get("root")
 
 
-def _vocab_size(model_dir: str | None) -> int:
+def vocab_size(model_dir: str | None) -> int:
     from launch.tokenizer import load_tokenizer
     if model_dir and os.path.isdir(model_dir):
         tokenizer = load_tokenizer(model_dir)
@@ -115,7 +132,7 @@ def _vocab_size(model_dir: str | None) -> int:
     return 256
 
 
-def _random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+def random_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     return [[rng.randrange(1, vocab) for _ in range(args.random_input_len)]
             for _ in range(args.num_prompts)]
@@ -135,7 +152,7 @@ async def _request(client, model: str, prompt: list[int], max_tokens: int) -> Re
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                data = json.loads(line[6:])
+                data = _decode(line[6:])
                 if "error" in data:
                     result.error = str(data["error"].get("message"))
                     return result

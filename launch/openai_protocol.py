@@ -16,6 +16,7 @@ from protocol import SamplingParams
 
 MAX_BODY_BYTES = 16 << 20
 MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_SEQUENCES = 4096  # prompts x n in one request
 
 # vLLM's sampling fields the completion and chat routes accept, as SamplingParams names them.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -102,6 +103,8 @@ async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
         raise APIError(400, f"invalid request: {e}", param) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None,

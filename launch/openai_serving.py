@@ -156,5 +156,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def stream_error(error: BaseException) -> bytes:
+    if isinstance(error, APIError):
+        return sse(error.body())
     status = 503 if isinstance(error, EngineDeadError) else 500
     return sse(APIError(status, f"the stream ended early: {error}").body())

@@ -111,10 +111,10 @@ class RequestState:
                 seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
 
     def output(self, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestOutput:
-        """The request so far. CUMULATIVE (and FINAL_ONLY): every sequence's text and tokens from the start
-        (the same objects, updated in place). DELTA: only what earlier DELTA outputs did not
-        carry, as fresh objects; text that a stop string could still cut is held back, so the
-        concatenated deltas always equal the final text."""
+        """The request so far. CUMULATIVE (and FINAL_ONLY): every sequence's text and tokens
+        from the start (the same objects, updated in place). DELTA: only what earlier DELTA
+        outputs did not carry, as fresh objects; text that a stop string could still cut is
+        held back, so the concatenated deltas always equal the final text."""
         if kind is RequestOutputKind.DELTA:
             outputs = [_take_delta(s) for s in self.sequences]
         else:

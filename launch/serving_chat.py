@@ -69,9 +69,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render(body.messages, body.add_generation_prompt)
         inputs = [self.process(prompt, params, add_special_tokens=False)]
         rid = request_id("chatcmpl")
-        if body.stream:
-            streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
-            return StreamingResponse(self._stream(rid, body, inputs[0], streams),
+        if body.stream:  # submitted once the response streams: a client gone before never is
+            return StreamingResponse(self._stream(rid, body, inputs[0]),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         (out,) = await until_disconnected(raw, self.collect(streams))
@@ -89,9 +88,10 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage(len(out.prompt_token_ids),
                            sum(len(s.token_ids) for s in out.outputs))})
 
-    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput,
-                      streams: list[RequestStream]) -> AsyncIterator[bytes]:
+    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput
+                      ) -> AsyncIterator[bytes]:
         created, generated = now(), 0
+        streams: list[RequestStream] = []
 
         def chunk(index: int, delta: dict[str, Any], seq: CompletionOutput | None) -> bytes:
             finish = None if seq is None else seq.finish_reason
@@ -104,7 +104,8 @@ class OpenAIServingChat(OpenAIServing):
                                      "stop_reason": None if seq is None or finish is None
                                      else seq.stop_reason}]})
         try:
-            for index in range(len(streams[0].state.sequences)):
+            streams = self.submit(rid, [inputs], RequestOutputKind.DELTA)
+            for index in range(inputs.params.n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
             async for _, out in merge(streams):
                 for seq in out.outputs:
@@ -116,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                            "model": self.model_name, "choices": [],
                            "usage": usage(len(inputs.prompt_token_ids), generated)})
             yield SSE_DONE
-        except EngineDeadError as e:
+        except (EngineDeadError, APIError) as e:
             yield stream_error(e)
             yield SSE_DONE
         finally:

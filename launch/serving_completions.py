@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 from launch.api_error import APIError
 from launch.async_llm import ProcessedInput
 from launch.errors import EngineDeadError
-from launch.openai_protocol import CompletionRequest, completion_prompts, read_body, sampling_params
+from launch.openai_protocol import (MAX_SEQUENCES, CompletionRequest, completion_prompts,
+                                    read_body, sampling_params)
 from launch.openai_serving import (SSE_DONE, OpenAIServing, json_response, merge, now,
                                    request_id, sse, stream_error, until_disconnected, usage)
 from launch.outputs import CompletionOutput, RequestOutputKind
@@ -26,11 +27,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo")
         params = sampling_params(body, logprobs=body.logprobs)
-        inputs = [self.process(p, params) for p in completion_prompts(body.prompt)]
+        prompts = completion_prompts(body.prompt)
+        if len(prompts) * params.n > MAX_SEQUENCES:
+            raise APIError(400, f"at most {MAX_SEQUENCES} sequences (prompts x n) per request, "
+                           f"got {len(prompts) * params.n}", "n")
+        inputs = [self.process(p, params) for p in prompts]
         rid = request_id("cmpl")
-        if body.stream:
-            streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
-            return StreamingResponse(self._stream(rid, body, inputs, streams),
+        if body.stream:  # submitted once the response streams: a client gone before never is
+            return StreamingResponse(self._stream(rid, body, inputs),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         outputs = await until_disconnected(raw, self.collect(streams))
@@ -50,9 +54,9 @@ class OpenAIServingCompletion(OpenAIServing):
             "choices": choices,
             "usage": usage(sum(len(p.prompt_token_ids) for p in inputs), generated)})
 
-    async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput],
-                      streams: list[RequestStream]) -> AsyncIterator[bytes]:
-        n = len(streams[0].state.sequences)
+    async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput]
+                      ) -> AsyncIterator[bytes]:
+        n = inputs[0].params.n
         created, generated = now(), 0
         offsets = [0] * (n * len(inputs))
 
@@ -63,7 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice["token_ids"] = seq.token_ids
             return sse({"id": rid, "object": "text_completion", "created": created,
                         "model": self.model_name, "choices": [choice]})
+        streams: list[RequestStream] = []
         try:
+            streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
             if body.echo:
                 for i, processed in enumerate(inputs):
                     for j in range(n):
@@ -79,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
                            "usage": usage(sum(len(p.prompt_token_ids) for p in inputs),
                                           generated)})
             yield SSE_DONE
-        except EngineDeadError as e:
+        except (EngineDeadError, APIError) as e:
             yield stream_error(e)
             yield SSE_DONE
         finally:

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -27,15 +28,17 @@ class Server:
     """`python -m launch serve ...` on a free loopback port; ready once /health answers."""
 
     def __init__(self, model: str, *args: str, api_key: str | None = None,
-                 startup_s: float = 180.0) -> None:
+                 startup_s: float = 180.0, omp_threads: str | None = "1") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        if omp_threads is not None:  # tests: no oversubscription (conftest sets it too)
+            env["OMP_NUM_THREADS"] = omp_threads
         env.pop("DELTASERVE_API_KEY", None)
         if api_key:
             env["DELTASERVE_API_KEY"] = api_key  # the flag's fallback
-        self.log = open(os.path.join(os.path.dirname(model), f"server-{self.port}.log"), "w+")
+        self.log = tempfile.TemporaryFile("w+")  # its output, shown when a test fails
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "serve", "--model", model, "--port",
              str(self.port), "--log-level", "warning", *args],

@@ -211,6 +211,8 @@ def test_error_shapes(server):
     assert r.json()["error"]["message"] == "temperature must be non-negative, got -1"
     assert _post(server, "/v1/completions", b"{not json").status_code == 400
     assert _post(server, "/v1/completions", b"[1, 2]").status_code == 400
+    deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    assert _post(server, "/v1/completions", deep).status_code == 400
     assert _post(server, "/v1/completions", b"x" * (17 << 20)).status_code == 413
     ok = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "unknown": [1]})
     assert ok.status_code == 200  # unknown fields are ignored, as OpenAI's API does
@@ -290,3 +292,19 @@ def test_llm_generate_from_two_threads(llm):
     for t in threads:
         t.join(60)
     assert results == {0: expected, 1: expected}
+
+
+def test_bench_serve_against_the_server(server, tmp_path, capsys):
+    from launch.cli import main
+    out = tmp_path / "result.json"
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
+                 "--random-input-len", "16", "--random-output-len", "8", "--max-concurrency",
+                 "4", "--request-rate", "50", "--api-key", KEY, "--result-json", str(out),
+                 "--disable-tqdm"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (8, 0)
+    assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 128
+    for key in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_tpot_ms",
+                "mean_itl_ms"):
+        assert result[key] > 0, key
+    assert "Output token throughput (tok/s):" in capsys.readouterr().out
