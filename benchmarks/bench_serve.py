@@ -20,10 +20,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from server_utils import Server  # noqa: E402
+
 from launch import LLM, SamplingParams  # noqa: E402
 from launch.bench_serve import _run, add_bench_serve_args, random_prompts, vocab_size  # noqa: E402,E501
 from launch.engine_args import DEFAULT_MODEL  # noqa: E402
-from server_utils import Server  # noqa: E402
 
 ENGINE = {"dtype": "float32", "tensor_parallel_size": 1, "max_num_seqs": 64}
 

@@ -14,9 +14,19 @@ from common.process import POLL_MS, become_child, configure_logging
 from engine_core.engine_core import EngineCore
 from engine_core.worker_failure import WorkerFailure
 from engine_core.worker_group import WorkerGroup
-from protocol import (AbortRequests, AddRequest, Channel, Codec, EngineConfig, EngineCoreOutput,
-                      EngineCoreOutputs, EngineFailed, EngineReady, ProtocolError,
-                      ShutdownEngine)
+from protocol import (
+    AbortRequests,
+    AddRequest,
+    Channel,
+    Codec,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    ProtocolError,
+    ShutdownEngine,
+)
 from protocol.journal_header import open_journal
 from protocol.request_salvage import readable_request_ids
 

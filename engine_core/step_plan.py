@@ -9,8 +9,12 @@ from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.request_table import RequestTable
 from protocol.int_column import IntColumn
-from protocol.scheduler_output import (CachedRequestData, NewRequestData, ScheduledTokens,
-                                       SchedulerOutput)
+from protocol.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    ScheduledTokens,
+    SchedulerOutput,
+)
 
 
 @dataclass(slots=True)

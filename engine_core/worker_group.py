@@ -16,8 +16,16 @@ from common.process import POLL_MS, free_port, spawn, stop_processes
 from common.worker_auth import SECRET_ENV, new_secret, proof_is_valid, read_secret_file
 from engine_core.worker_failure import LocalWorker, WorkerFailure
 from engine_core.worker_socket import FrameTap, Unreachable, WorkerSocket
-from protocol import (EngineConfig, ModelRunnerOutput, SchedulerOutput, WorkerError, WorkerHello,
-                      WorkerInit, WorkerReady, WorkerShutdown)
+from protocol import (
+    EngineConfig,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerError,
+    WorkerHello,
+    WorkerInit,
+    WorkerReady,
+    WorkerShutdown,
+)
 
 logger = logging.getLogger("deltaserve")
 

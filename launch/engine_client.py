@@ -9,11 +9,22 @@ import msgspec
 import psutil
 import zmq
 
-from launch.errors import EngineDeadError
 from common.process import POLL_MS, describe_exit, make_runtime_dir, spawn, stop_processes
-from protocol import (AbortRequests, AddRequest, AddRequests, Channel, Codec, EngineConfig,
-                      EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
-                      SchedulerStats, ShutdownEngine)
+from launch.errors import EngineDeadError
+from protocol import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    Channel,
+    Codec,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    SchedulerStats,
+    ShutdownEngine,
+)
 
 # The engine core's largest legal frame (a step's outputs with logprobs) is far below this.
 MAX_OUTPUT_FRAME = 64 << 20

@@ -14,8 +14,15 @@ from typing import Any
 
 import msgspec
 
-from protocol import (AddRequest, Channel, Codec, EngineReady, ProtocolError, SamplingParams,
-                      check_prompt)
+from protocol import (
+    AddRequest,
+    Channel,
+    Codec,
+    EngineReady,
+    ProtocolError,
+    SamplingParams,
+    check_prompt,
+)
 
 PromptType = str | dict[str, Any]
 MAX_N = 128  # sequences per request, as OpenAI's API allows

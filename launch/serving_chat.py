@@ -13,10 +13,25 @@ from launch.api_error import APIError
 from launch.async_llm import AsyncLLM, ProcessedInput
 from launch.chat_template import ChatTemplate, ChatTemplateError
 from launch.errors import EngineDeadError
-from launch.openai_protocol import (ChatCompletionRequest, ChatMessage, message_dicts,
-                                    read_body, sampling_params)
-from launch.openai_serving import (SSE_DONE, OpenAIServing, json_response, merge, now,
-                                   request_id, sse, stream_error, until_disconnected, usage)
+from launch.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    message_dicts,
+    read_body,
+    sampling_params,
+)
+from launch.openai_serving import (
+    SSE_DONE,
+    OpenAIServing,
+    json_response,
+    merge,
+    now,
+    request_id,
+    sse,
+    stream_error,
+    until_disconnected,
+    usage,
+)
 from launch.outputs import CompletionOutput, RequestOutputKind
 from launch.request_stream import RequestStream
 

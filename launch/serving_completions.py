@@ -10,10 +10,25 @@ from fastapi.responses import StreamingResponse
 from launch.api_error import APIError
 from launch.async_llm import ProcessedInput
 from launch.errors import EngineDeadError
-from launch.openai_protocol import (MAX_SEQUENCES, CompletionRequest, completion_prompts,
-                                    read_body, sampling_params)
-from launch.openai_serving import (SSE_DONE, OpenAIServing, json_response, merge, now,
-                                   request_id, sse, stream_error, until_disconnected, usage)
+from launch.openai_protocol import (
+    MAX_SEQUENCES,
+    CompletionRequest,
+    completion_prompts,
+    read_body,
+    sampling_params,
+)
+from launch.openai_serving import (
+    SSE_DONE,
+    OpenAIServing,
+    json_response,
+    merge,
+    now,
+    request_id,
+    sse,
+    stream_error,
+    until_disconnected,
+    usage,
+)
 from launch.outputs import CompletionOutput, RequestOutputKind
 from launch.request_stream import RequestStream
 

@@ -1,17 +1,35 @@
 """The contract between deltaserve's processes: wire messages and their codecs (no torch)."""
 from protocol.codec import HEADER, PROTOCOL_VERSION, Channel, Codec, ProtocolError, to_builtins
 from protocol.engine_config import EngineConfig
-from protocol.engine_messages import (AbortRequests, AddRequest, AddRequests, CoreToFrontend,
-                                      EngineCoreOutput, EngineCoreOutputs, EngineFailed,
-                                      EngineReady, FinishReason, FrontendToCore, SchedulerStats,
-                                      ShutdownEngine)
+from protocol.engine_messages import (
+                                      AbortRequests,
+                                      AddRequest,
+                                      AddRequests,
+                                      CoreToFrontend,
+                                      EngineCoreOutput,
+                                      EngineCoreOutputs,
+                                      EngineFailed,
+                                      EngineReady,
+                                      FinishReason,
+                                      FrontendToCore,
+                                      SchedulerStats,
+                                      ShutdownEngine,
+)
 from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from protocol.worker_messages import (CoreToWorker, WorkerError, WorkerHello, WorkerInit,
-                                      WorkerPing, WorkerReady, WorkerShutdown, WorkerToCore)
+from protocol.worker_messages import (
+                                      CoreToWorker,
+                                      WorkerError,
+                                      WorkerHello,
+                                      WorkerInit,
+                                      WorkerPing,
+                                      WorkerReady,
+                                      WorkerShutdown,
+                                      WorkerToCore,
+)
 
 __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",

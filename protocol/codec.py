@@ -16,7 +16,6 @@ import msgspec
 import zmq
 
 from common.log_limiter import LogLimiter
-
 from protocol.engine_messages import CoreToFrontend, FrontendToCore
 from protocol.int_column import IntColumn
 from protocol.scheduler_output import ScheduledTokens

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-
-from protocol.wire_struct import WireStruct
-
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import SamplingParams
+from protocol.wire_struct import WireStruct
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

@@ -12,9 +12,19 @@ from collections.abc import Iterator
 import msgspec
 
 from protocol.codec import Channel, Codec, ProtocolError
-from protocol.journal import (CHANNELS, MAGIC, MAGIC_STEM, PREFIX, RECORD, TRAILER,
-                              TRAILER_BODY, JournalError, JournalHeader, JournalRecord,
-                              JournalTruncated)
+from protocol.journal import (
+    CHANNELS,
+    MAGIC,
+    MAGIC_STEM,
+    PREFIX,
+    RECORD,
+    TRAILER,
+    TRAILER_BODY,
+    JournalError,
+    JournalHeader,
+    JournalRecord,
+    JournalTruncated,
+)
 
 _TRAILER_KIND = bytes([TRAILER])  # a record's kind byte sits right after its PREFIX
 

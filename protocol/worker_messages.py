@@ -6,12 +6,10 @@ of blocks it holds. Then `SchedulerOutput`s flow down and rank 0 answers `ModelR
 """
 from __future__ import annotations
 
-from protocol.wire_struct import WireStruct
-
 from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
-
+from protocol.wire_struct import WireStruct
 
 # --- engine core -> worker ----------------------------------------------------------------
 

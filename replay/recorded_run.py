@@ -6,8 +6,16 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol import (AbortRequests, AddRequest, AddRequests, Channel, EngineReady,
-                      ModelRunnerOutput, SchedulerOutput, to_builtins)
+from protocol import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    Channel,
+    EngineReady,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    to_builtins,
+)
 from protocol.journal import JournalError, JournalHeader, JournalRecord, JournalTruncated
 from protocol.journal_reader import JournalReader
 

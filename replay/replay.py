@@ -4,15 +4,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+
 import msgspec
 import numpy as np
 import zmq
 
+from common.process import make_runtime_dir
 from engine_core.engine_core import EngineCore
 from engine_core.worker_group import WorkerGroup
-from common.process import make_runtime_dir
-from replay.recorded_run import Print, RecordedRun, readable, unified_diff
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
+from replay.recorded_run import Print, RecordedRun, readable, unified_diff
 
 _TRUNCATED = "the journal is truncated: only what it holds was replayed"
 

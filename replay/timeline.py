@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol import EngineCoreOutputs
 from replay.journal_tools import step_rows
 from replay.recorded_run import RecordedRun
-from protocol import EngineCoreOutputs
 
 # Cell states of the request-by-step picture.
 ABSENT, WAITING, PREFILL, DECODE, PREEMPTED, IDLE, FINISHED = range(7)

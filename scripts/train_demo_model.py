@@ -41,11 +41,15 @@ os.environ.setdefault("RAYON_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # noqa: E402
-                        processors, trainers)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, PreTrainedTokenizerFast)
+from transformers import (  # noqa: E402
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 EOT = "<|endoftext|>"
 SEED = 1234

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from sched_utils import EOS_TOKEN_ID, make_requests, make_scheduler, sample, scheduled_ids
+from scripted_worker import ScriptedWorker, default_script
 
 from engine_core import CacheConfig, EngineCore, Scheduler, SchedulerConfig
 from protocol import AbortRequests, AddRequest, ModelRunnerOutput, SamplingParams
-from sched_utils import EOS_TOKEN_ID, make_requests, make_scheduler, sample, scheduled_ids
-from scripted_worker import ScriptedWorker, default_script
 
 
 def _computed(so) -> dict[int, int]:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from model_utils import make_tiny_model
 
 pytestmark = pytest.mark.slow  # real engine processes

@@ -15,8 +15,8 @@ import threading
 
 import pytest
 import torch
-
 from attention_cases import make_case, reference
+
 from worker import cpu_attention, cpu_kernel_library, native_build
 from worker.cpu_attention import CpuAttentionBackend, make_cpu_backend, work_items
 from worker.torch_attention import TorchAttentionBackend
@@ -185,8 +185,9 @@ WAVES = [  # the second wave runs after the first, so its shared prefix hits the
 def test_engine_matches_hf_greedy(name, tmp_path):
     """`LLM(attention_backend="cpu")`: chunked prefills (a 24-token budget chunks the 90- and
     70-token prompts), decode and prefix-cache hits give Hugging Face's greedy tokens."""
-    from launch import LLM, SamplingParams
     from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
+
+    from launch import LLM, SamplingParams
     arch, overrides = E2E_MODELS[name]
     path = make_tiny_model(str(tmp_path / "model"), arch, tokenizer=True, **overrides)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

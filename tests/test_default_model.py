@@ -5,10 +5,10 @@ import json
 import os
 
 import pytest
+from model_utils import assert_greedy_matches, hf_greedy
 
 from launch import LLM, SamplingParams
 from launch.engine_args import SHIPPED_MODEL
-from model_utils import assert_greedy_matches, hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def push(self, item):"]
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import random
 
+from scripted_worker import ScriptedWorker
+
 from engine_core import CacheConfig, EngineCore, Scheduler, SchedulerConfig
 from protocol import AbortRequests, AddRequest, Channel, Codec, SamplingParams
-from scripted_worker import ScriptedWorker
 
 
 def _engine(num_blocks: int = 64, block_size: int = 4, **sched) -> EngineCore:

@@ -11,12 +11,25 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from model_utils import make_tiny_model
 
 from launch import LLM, SamplingParams
-from model_utils import make_tiny_model
-from protocol import (HEADER, AbortRequests, AddRequest, Channel, Codec, EngineCoreOutput,
-                      EngineCoreOutputs, ModelRunnerOutput, NewRequestData, ProtocolError,
-                      SchedulerOutput, ShutdownEngine, WorkerError, WorkerHello)
+from protocol import (
+    HEADER,
+    AbortRequests,
+    AddRequest,
+    Channel,
+    Codec,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    ProtocolError,
+    SchedulerOutput,
+    ShutdownEngine,
+    WorkerError,
+    WorkerHello,
+)
 
 SEED = int(os.environ.get("DELTASERVE_FUZZ_SEED", "1234"))
 FRAMES = 10_000

@@ -9,11 +9,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_utils import CORPUS, make_tiny_model
 
 from launch.chat_template import ChatTemplate
 from launch.gguf_converter import GGUFConversionError, convert_gguf
 from launch.tokenizer import load_tokenizer
-from model_utils import CORPUS, make_tiny_model
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

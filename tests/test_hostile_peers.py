@@ -12,12 +12,12 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from engine_utils import engine_pids, wait_gone
+from model_utils import make_tiny_model
 
 from common.worker_auth import new_secret
 from engine_core.worker_group import WorkerGroup
-from engine_utils import engine_pids, wait_gone
 from launch import LLM, EngineDeadError, SamplingParams
-from model_utils import make_tiny_model
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 
 pytestmark = pytest.mark.slow  # real engine processes

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import pytest
-
 from model_utils import make_tiny_model
-from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from protocol import EngineConfig
+
+from protocol import (
+    CachedRequestData,
+    EngineConfig,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from worker.input_batch import StepProtocolError
 from worker.model_runner import ModelRunner
 

@@ -9,16 +9,23 @@ import zlib
 import msgspec
 import numpy as np
 import pytest
+from model_utils import make_tiny_model
 
 from launch import LLM, SamplingParams
+from launch.cli import main as cli_main
+from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
+from protocol.journal import (
+    PREFIX,
+    RECORD,
+    TRAILER_BODY,
+    JournalError,
+    JournalRecord,
+    JournalTruncated,
+    JournalWriter,
+)
+from protocol.journal_reader import JournalReader
 from replay import journal_tools, replay, timeline
 from replay.recorded_run import RecordedRun
-from model_utils import make_tiny_model
-from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
-from launch.cli import main as cli_main
-from protocol.journal import (PREFIX, RECORD, TRAILER_BODY, JournalError, JournalRecord,
-                              JournalTruncated, JournalWriter)
-from protocol.journal_reader import JournalReader
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "x", "Pack my box with five dozen liquor",
            "def add(a, b):\n    return", "print('hello"] * 2

@@ -22,11 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from worker.cuda_kernels import (DECODE_ROWS, INSTANTIATIONS, KERNEL_DIR, NVRTC_OPTIONS,
-                                 SOURCES, attention_smem_bytes, kernel_source,
-                                 name_expressions)
 from nvrtc_compile import nvrtc_compile
+
+from worker.cuda_kernels import (
+    DECODE_ROWS,
+    INSTANTIATIONS,
+    KERNEL_DIR,
+    NVRTC_OPTIONS,
+    SOURCES,
+    attention_smem_bytes,
+    kernel_source,
+    name_expressions,
+)
 
 ARCHS = ("sm_80", "sm_90")
 NVCC_ARCH = "sm_90"

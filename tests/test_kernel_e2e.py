@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
 
 from launch import LLM, SamplingParams
-from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
 from worker.emulator import EmulatorUnavailable, cuda_include_dir
 from worker.emulator.build import compiler
 

@@ -13,13 +13,13 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from attention_cases import make_case, reference
+
 from worker.cuda_kernels import KernelConfig, name_expressions, source_paths
 from worker.emulated_attention import EmulatedAttentionBackend
-from worker.kernel_attention import SplitPolicy, work_items
 from worker.emulator import EmulatorUnavailable, KernelEmulationError, load_library
 from worker.emulator.build import EMULATOR_DIR
+from worker.kernel_attention import SplitPolicy, work_items
 from worker.torch_attention import TorchAttentionBackend
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from attention_cases import make_case, reference
+
 from worker.attention_backend import make_attention_backend
 from worker.cupy_attention import cuda_unavailable_reason
-
-
 
 REASON = cuda_unavailable_reason()
 needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")

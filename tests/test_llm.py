@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from engine_utils import engine_pids, wait_gone
-from launch import LLM, SamplingParams
 from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
+
+from launch import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # real engine processes
 

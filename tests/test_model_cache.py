@@ -14,11 +14,11 @@ import time
 import zipfile
 
 import pytest
+from model_utils import assert_greedy_matches, hf_greedy
 
 from launch import LLM, SamplingParams
 from launch import model_cache as mc
 from launch.chat_template import ChatTemplate
-from model_utils import assert_greedy_matches, hf_greedy
 
 GGUF_MEMBER = "fake_pkg/model.gguf"
 

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-
 from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
 from test_model_runner import PROMPTS, generate
-from worker.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
 from worker.embedding import ParallelLMHead
+from worker.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.tensor_parallel import TensorParallel
 
@@ -67,6 +67,7 @@ def test_unsupported_configs_are_named(tmp_path, changes, message):
 
 def test_missing_and_unknown_weights(tmp_path):
     from safetensors.torch import load_file, save_file
+
     from protocol import EngineConfig
     from worker.model_runner import ModelRunner
     path = make_tiny_model(str(tmp_path / "m"), "llama")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
-from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
-from protocol import SamplingParams, EngineConfig
+from protocol import EngineConfig, SamplingParams
 from worker.model_runner import ModelRunner
 
 MAX_NEW = 10

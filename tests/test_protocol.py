@@ -8,12 +8,34 @@ import sys
 import msgspec
 import pytest
 
-from protocol import (HEADER, AbortRequests, IntColumn, AddRequest, CachedRequestData, Channel, Codec,
-                      EngineCoreOutput, EngineCoreOutputs, EngineFailed, EngineReady,
-                      ModelRunnerOutput, NewRequestData, ProtocolError, SampleLogprobs,
-                      SamplingParams, SchedulerOutput, SchedulerStats, ShutdownEngine,
-                      EngineConfig, WorkerError, WorkerHello, WorkerInit,
-                      WorkerReady, WorkerShutdown, to_builtins)
+from protocol import (
+    HEADER,
+    AbortRequests,
+    AddRequest,
+    CachedRequestData,
+    Channel,
+    Codec,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineFailed,
+    EngineReady,
+    IntColumn,
+    ModelRunnerOutput,
+    NewRequestData,
+    ProtocolError,
+    SampleLogprobs,
+    SamplingParams,
+    SchedulerOutput,
+    SchedulerStats,
+    ShutdownEngine,
+    WorkerError,
+    WorkerHello,
+    WorkerInit,
+    WorkerReady,
+    WorkerShutdown,
+    to_builtins,
+)
 
 
 def _step() -> SchedulerOutput:

@@ -1,8 +1,9 @@
 """Waiting queues: FCFS and priority order, prepend and removal."""
 from __future__ import annotations
 
-from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from sched_utils import make_requests
+
+from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 
 
 def _ids(queue) -> list[str]:

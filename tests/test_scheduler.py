@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from sched_utils import EOS_TOKEN_ID, make_requests, make_scheduler, sample, scheduled_ids
 
 from engine_core.request import Request, RequestStatus
 from protocol import ModelRunnerOutput, SamplingParams
-from sched_utils import EOS_TOKEN_ID, make_requests, make_scheduler, sample, scheduled_ids
 
 
 def _add(scheduler, requests):

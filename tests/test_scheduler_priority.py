@@ -1,8 +1,9 @@
 """The priority policy: order, victim choice, and resumption after preemption."""
 from __future__ import annotations
 
-from engine_core.request import RequestStatus
 from sched_utils import make_requests, make_scheduler, sample, scheduled_ids
+
+from engine_core.request import RequestStatus
 
 
 def _priority_scheduler(**kwargs):

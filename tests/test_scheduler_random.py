@@ -6,12 +6,12 @@ import os
 import random
 
 import pytest
+from sched_utils import EOS_TOKEN_ID, make_scheduler
+from scripted_worker import ScriptedWorker, default_script
 
 from engine_core.engine_core import EngineCore
 from engine_core.request import Request
 from protocol import AbortRequests, AddRequest, SamplingParams
-from sched_utils import EOS_TOKEN_ID, make_scheduler
-from scripted_worker import ScriptedWorker, default_script
 
 SEED = int(os.environ.get("SOAK_SEED", "20250"))
 

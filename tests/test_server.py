@@ -11,10 +11,10 @@ import time
 import httpx
 import openai
 import pytest
-
-from launch import LLM, SamplingParams
 from model_utils import make_tiny_model
 from server_utils import CHAT_TEMPLATE, Server, render_chat
+
+from launch import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-key"

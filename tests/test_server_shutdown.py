@@ -9,7 +9,6 @@ import threading
 
 import httpx
 import pytest
-
 from engine_utils import wait_gone
 from model_utils import make_tiny_model
 from server_utils import CHAT_TEMPLATE, Server

@@ -15,14 +15,14 @@ import time
 import psutil
 import pytest
 import zmq
-
 from engine_utils import engine_pids, titles, wait_gone
-from launch import LLM, EngineDeadError, SamplingParams
-from common.process import free_port
 from model_utils import make_tiny_model
+
+from common.process import free_port
 from common.worker_auth import hello_proof, new_secret, secure_client
 from engine_core.worker_failure import WorkerFailure
 from engine_core.worker_group import WorkerGroup
+from launch import LLM, EngineDeadError, SamplingParams
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 
 pytestmark = pytest.mark.slow  # real engine processes

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attention_cases import make_case, reference
+
 from worker.torch_attention import TorchAttentionBackend
 
 SPECS = {

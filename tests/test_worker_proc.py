@@ -6,15 +6,26 @@ import subprocess
 import sys
 
 import pytest
-
-from common.worker_auth import SECRET_ENV
 import zmq
+from model_utils import make_tiny_model
 
 from common.process import make_runtime_dir
-from model_utils import make_tiny_model
-from protocol import (HEADER, Channel, Codec, ModelRunnerOutput, NewRequestData,
-                      SamplingParams, SchedulerOutput, EngineConfig, WorkerError, WorkerHello,
-                      WorkerInit, WorkerReady, WorkerShutdown)
+from common.worker_auth import SECRET_ENV
+from protocol import (
+    HEADER,
+    Channel,
+    Codec,
+    EngineConfig,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+    WorkerError,
+    WorkerHello,
+    WorkerInit,
+    WorkerReady,
+    WorkerShutdown,
+)
 
 pytestmark = pytest.mark.slow  # real engine processes
 

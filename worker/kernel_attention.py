@@ -19,8 +19,14 @@ import numpy as np
 import torch
 
 from worker.attention_metadata import AttentionMetadata
-from worker.cuda_kernels import (DECODE_ROWS, NUM_THREADS, PREFILL_ROWS, KernelConfig,
-                                 attention_smem_bytes, config_for)
+from worker.cuda_kernels import (
+    DECODE_ROWS,
+    NUM_THREADS,
+    PREFILL_ROWS,
+    KernelConfig,
+    attention_smem_bytes,
+    config_for,
+)
 
 _NO_SPLIT = 1 << 30  # split_tokens of a launch whose KV range is not split
 _SPLIT_ALIGN = 64  # split lengths are whole tiles

@@ -13,11 +13,26 @@ import torch
 import zmq
 
 from common.process import become_child, configure_logging, set_title
-from common.worker_auth import (SECRET_ENV, hello_proof, read_secret_file,
-                                secret_from_environment, secure_client)
-from protocol import (Channel, Codec, ModelRunnerOutput, ProtocolError, SchedulerOutput,
-                      EngineConfig, WorkerError, WorkerHello, WorkerInit, WorkerReady,
-                      WorkerShutdown)
+from common.worker_auth import (
+    SECRET_ENV,
+    hello_proof,
+    read_secret_file,
+    secret_from_environment,
+    secure_client,
+)
+from protocol import (
+    Channel,
+    Codec,
+    EngineConfig,
+    ModelRunnerOutput,
+    ProtocolError,
+    SchedulerOutput,
+    WorkerError,
+    WorkerHello,
+    WorkerInit,
+    WorkerReady,
+    WorkerShutdown,
+)
 from worker.model_runner import ModelRunner, resolve_device
 from worker.tensor_parallel import TensorParallel
 
