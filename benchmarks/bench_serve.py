@@ -24,7 +24,7 @@ from server_utils import Server  # noqa: E402
 
 from launch import LLM, SamplingParams  # noqa: E402
 from launch.bench_serve import _run, add_bench_serve_args, random_prompts, vocab_size  # noqa: E402,E501
-from launch.engine_args import DEFAULT_MODEL  # noqa: E402
+from launch.engine_args import SHIPPED_MODEL  # noqa: E402
 
 ENGINE = {"dtype": "float32", "tensor_parallel_size": 1, "max_num_seqs": 64}
 
@@ -41,7 +41,7 @@ def offline(prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     """(output tokens/s of one generate call over all prompts, median time of a one-token
     request: a prefill step)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    with LLM(DEFAULT_MODEL, **ENGINE) as llm:
+    with LLM(SHIPPED_MODEL, **ENGINE) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm up
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -58,7 +58,7 @@ def offline(prompts: list[list[int]], output_len: int) -> tuple[float, float]:
 def online(args: argparse.Namespace) -> tuple[float, float]:
     """(output tokens/s at concurrency 64, TTFT median in s at 1 request/s)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    server = Server(DEFAULT_MODEL, *flags, "--max-model-len", "1024", omp_threads=None)
+    server = Server(SHIPPED_MODEL, *flags, "--max-model-len", "1024", omp_threads=None)
     try:
         load = dict(num_prompts=args.num_prompts, random_input_len=args.input_len,
                     random_output_len=args.output_len, seed=args.seed)
@@ -82,7 +82,7 @@ def main() -> None:
     args = p.parse_args()
     prompts = random_prompts(bench_args("", num_prompts=args.num_prompts,  # bench serve's
                                         random_input_len=args.input_len, seed=args.seed),
-                             vocab_size(DEFAULT_MODEL))
+                             vocab_size(SHIPPED_MODEL))
     rows = []
     for r in range(args.rounds):
         serve_tput, ttft = online(args)
