@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,7 +35,8 @@ class FakeEngineCore:
     def __init__(self) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
-        self.address = f"ipc://{make_runtime_dir()}/workers"
+        self.runtime_dir = make_runtime_dir()
+        self.address = f"ipc://{self.runtime_dir}/workers"
         self.socket.bind(self.address)
         self.encoder, self.decoder = Codec(Channel.CORE_TO_WORKER), Codec(Channel.WORKER_TO_CORE)
         self.peer = b""
@@ -53,6 +55,7 @@ class FakeEngineCore:
     def close(self) -> None:
         self.socket.close(linger=0)
         self.context.term()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 @pytest.fixture
