@@ -83,7 +83,7 @@ class EngineReady(WireStruct, tag=21):
     block_size: int
     world_size: int = 1
     vocab_size: int = 0
-    attention_backend: str = ""  # what the workers run ("torch", "cupy", "emulated")
+    attention_backend: str = ""  # what the workers run ("cpu", "torch", "cupy", "emulated")
 
 
 class EngineFailed(WireStruct, tag=22):
