@@ -136,13 +136,13 @@ class EngineClient:
             self.last_heard = time.monotonic()
         else:
             self._check_alive()
-            self._check_progress()
+            self._check_hang()
         return messages
 
     def _check_alive(self) -> None:
-        """Raise EngineDeadError if the engine core is gone or stopped. A core that exited
-        after reporting a failure (e.g. a worker died between two calls) is blamed in its own
-        words: its EngineFailed is read before the exit is acted on."""
+        """Raise EngineDeadError if the engine core is gone (cheap: every call checks). A core
+        that exited after reporting a failure (e.g. a worker died between two calls) is blamed
+        in its own words: its EngineFailed is read before the exit is acted on."""
         if self.dead is not None:
             raise self.dead
         if self.proc is None:
@@ -153,12 +153,16 @@ class EngineClient:
                     self._die(message.message, message.process)
             self._die(f"engine_core (pid {self.proc.pid}) {describe_exit(self.proc.returncode)}",
                       "engine_core")
+
+    def _check_hang(self) -> None:
+        """Only when nothing arrived (reading the process state costs a /proc read): raise if
+        the engine core is stopped, or silent past its step timeout with requests pending."""
+        if self.proc is None:
+            return
         state = _state(self.proc.pid)
         if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
             self._die(f"engine_core (pid {self.proc.pid}) is {state} and cannot make progress",
                       "engine_core")
-
-    def _check_progress(self) -> None:
         silent = time.monotonic() - self.last_heard
         if self.pending and silent > self.config.step_timeout_s + SILENCE_MARGIN_S:
             self._die(f"engine_core (pid {self.proc.pid}) sent nothing for {silent:.0f} s with "
