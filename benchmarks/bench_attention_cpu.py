@@ -6,14 +6,21 @@ token (written into its slot, then attended), physical blocks shuffled. Time is 
 call (the step's plan is built by the first call and reused, as in the engine). Bandwidth
 counts the KV bytes the step must read: seq_len x 2 (K and V) x kv_heads x head_dim x dtype
 size per request. A same-run memory copy (read + write) gives the machine's scale.
+`--baseline REV` adds the kernel as of git revision REV (its worker/ sources and build
+flags, built into a temporary directory) as a third column, interleaved with the others.
 Run: python benchmarks/bench_attention_cpu.py [--reqs 64 256] [--context 128 512] [--rounds 3]
-     [--threads N] [--cpu-time]
+     [--threads N] [--cpu-time] [--baseline REV]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import io
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
 
 import torch
@@ -74,12 +81,29 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def measure(case: tuple, rounds: int, budget_s: float,
-            clock=time.perf_counter) -> dict[str, list[float]]:
+def baseline_kernel(rev: str):
+    """The kernel entry point as of git revision `rev`: that revision's worker/ extracted into
+    a temporary directory, its cpu_kernel_library module loaded from there and built."""
+    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "worker"], check=True,
+                         capture_output=True).stdout
+    tmp = tempfile.mkdtemp(prefix="deltaserve-baseline-")
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(tmp, filter="data")
+    spec = importlib.util.spec_from_file_location(
+        "baseline_cpu_kernel_library", f"{tmp}/worker/cpu_kernel_library.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load()
+
+
+def measure(case: tuple, rounds: int, budget_s: float, clock=time.perf_counter,
+            baseline=None) -> dict[str, list[float]]:
     """Per-round mean microseconds per call of each backend, the backends interleaved (by
     `clock`: wall time, or process CPU time, which a busy shared host distorts less)."""
     calls = {"torch": layer_call(TorchAttentionBackend(), case),
              "cpu": layer_call(CpuAttentionBackend(), case)}
+    if baseline is not None:
+        calls["baseline"] = layer_call(CpuAttentionBackend(baseline), case)
     iters = {name: max(2, int(budget_s * 1e6 / mean_us(fn, 1))) for name, fn in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
@@ -105,7 +129,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by process CPU time instead of wall time")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time the kernel as of this git revision")
     args = parser.parse_args()
+    baseline = baseline_kernel(args.baseline) if args.baseline else None
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -114,18 +141,23 @@ def main() -> None:
     print(f"decode, one layer per call; {'CPU' if args.cpu_time else 'wall'} time; medians of "
           f"{args.rounds} interleaved rounds (range)")
     print(f"{'shape':8} {'dtype':8} {'reqs':>4} {'ctx':>4} {'KV MB':>6} | "
-          f"{'torch backend':>34} | {'cpu kernel':>34} | speedup")
+          f"{'torch backend':>34} | {'cpu kernel':>34} | speedup"
+          + (f" | {'cpu kernel @ ' + args.baseline:>34} | speedup" if baseline else ""))
     for shape in args.shapes:
         for dtype in args.dtypes:
             for reqs in args.reqs:
                 for context in args.context:
                     case, kv_bytes = decode_case(reqs, context, SHAPES[shape],
                                                  getattr(torch, dtype))
-                    s = measure(case, args.rounds, args.budget, clock)
-                    ratio = statistics.median(s["torch"]) / statistics.median(s["cpu"])
-                    print(f"{shape:8} {dtype:8} {reqs:4} {context:4} {kv_bytes / 1e6:6.1f} | "
-                          f"{summary(s['torch'], kv_bytes)} | {summary(s['cpu'], kv_bytes)} | "
-                          f"{ratio:5.1f}x", flush=True)
+                    s = measure(case, args.rounds, args.budget, clock, baseline)
+                    cpu = statistics.median(s["cpu"])
+                    line = (f"{shape:8} {dtype:8} {reqs:4} {context:4} {kv_bytes / 1e6:6.1f} | "
+                            f"{summary(s['torch'], kv_bytes)} | {summary(s['cpu'], kv_bytes)} | "
+                            f"{statistics.median(s['torch']) / cpu:5.1f}x")
+                    if baseline:
+                        line += (f" | {summary(s['baseline'], kv_bytes)} | "
+                                 f"{statistics.median(s['baseline']) / cpu:5.1f}x")
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

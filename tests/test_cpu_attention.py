@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 
 import pytest
@@ -200,3 +201,38 @@ def test_engine_matches_hf_greedy(name, tmp_path):
         assert_greedy_matches([o.outputs[0].token_ids for o in wave_outs],
                               hf_greedy(path, wave, 8))
     assert min(o.num_cached_tokens for o in outs[1]) >= 16, "the second wave should hit"
+
+
+@pytest.mark.parametrize("march,width", [("x86-64-v3", 8), ("x86-64", 4)])
+def test_portable_simd_builds(march, width):
+    """The AVX2 and baseline builds of the same source (8- and 4-lane vectors; this host may
+    run the AVX-512 one) against the reference: decode and prefill tiles (direct and
+    transposed scores), a head dim that is not a multiple of the vector, 16-bit types."""
+    backend = CpuAttentionBackend(cpu_kernel_library.load(march))
+    assert cpu_kernel_library.simd_width(march) == width
+    cases = [(torch.float32, 64, 16, (8, 2)), (torch.bfloat16, 80, 32, (12, 4)),
+             (torch.float16, 96, 16, (16, 1)), (torch.float32, 36, 16, (4, 4))]
+    for dtype, head_dim, block_size, heads in cases:
+        case = make_case(SPECS["mixed"] + SPECS["long"][:3], num_heads=heads[0],
+                         num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size,
+                         dtype=dtype, num_padding=1, seed=head_dim)
+        out = _run(backend, case)[: case.query.shape[0] - case.num_padding]
+        tol = TOL[dtype]
+        torch.testing.assert_close(out.double(), reference(case), atol=tol, rtol=tol)
+
+
+def test_native_build_uses_the_widest_vectors():
+    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    expected = 16 if " avx512f " in flags else 8 if " avx2 " in flags else 4
+    assert cpu_kernel_library.simd_width() == expected
+
+
+def test_future_keys_of_a_prefill_never_reach_earlier_rows():
+    """Within a prefill tile, rows load K/V rows of later tokens for their neighbours: an inf
+    in a later token's value must not turn an earlier row into NaN (0 * inf)."""
+    case = make_case([(20, 9)], num_heads=8, num_kv_heads=2, seed=3)
+    expected = reference(case)[:6]  # (the dense reference itself would compute 0 * inf)
+    case.value[6] = float("inf")
+    out = _run(CpuAttentionBackend(), case)
+    torch.testing.assert_close(out[:6].double(), expected, atol=1e-5, rtol=1e-5)
+    assert not out[6:].isfinite().all()

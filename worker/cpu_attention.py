@@ -51,8 +51,10 @@ class CpuAttentionBackend:
 
     name = "cpu"
 
-    def __init__(self) -> None:
-        self._kernel = cpu_kernel_library.load()
+    def __init__(self, kernel=None) -> None:
+        """`kernel`: another build of the entry point (tests, benchmarks); default this
+        machine's (cpu_kernel_library.load())."""
+        self._kernel = kernel or cpu_kernel_library.load()
 
     def plan(self, metadata: AttentionMetadata) -> None:
         metadata.plan = None  # built by the first layer, which knows the head group

@@ -17,9 +17,11 @@ import torch
 from worker import native_build
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_attention_tile.h")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_attention_simd.h", "cpu_paged_attention_rows.h",
+           "cpu_paged_attention_tile.h")
 CXX_FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-             "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Werror")
+             "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=fast", "-Wall", "-Wextra",
+             "-Werror")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the .cpp's dispatch
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -35,18 +37,26 @@ def cache_dir() -> Path:
                                "~/.cache/deltaserve/cpu-kernels")).expanduser()
 
 
-def build() -> Path:
-    """The built library's path (compiles unless the cache holds this source/flags/CPU)."""
+def build(march: str = "native") -> Path:
+    """The built library's path (compiles unless the cache holds this source/flags/CPU).
+    `march` other than native builds a portable variant (tests build x86-64-v3 and
+    x86-64 to check the AVX2 and baseline SIMD paths on an AVX-512 host)."""
     text = f'#include "{KERNEL_DIR / SOURCES[0]}"\n'
+    flags = [f if f != "-march=native" else f"-march={march}" for f in CXX_FLAGS]
     return native_build.cached_library(text, [KERNEL_DIR / s for s in SOURCES],
-                                       [*CXX_FLAGS, f"-I{KERNEL_DIR}"], cache_dir(),
+                                       [*flags, f"-I{KERNEL_DIR}"], cache_dir(),
                                        "cpu-paged-attention")
 
 
 @functools.cache
-def load() -> ctypes._CFuncPtr:
+def load(march: str = "native") -> ctypes._CFuncPtr:
     """The kernel's entry point (ctypes releases the GIL during the call)."""
-    function = ctypes.CDLL(str(build())).cpu_paged_attention
+    function = ctypes.CDLL(str(build(march))).cpu_paged_attention
     function.restype = ctypes.c_int
     function.argtypes = ARGTYPES
     return function
+
+
+def simd_width(march: str = "native") -> int:
+    """Floats per SIMD vector in that build (16: AVX-512, 8: AVX2, 4: baseline)."""
+    return ctypes.CDLL(str(build(march))).cpu_paged_attention_simd_width()

@@ -11,9 +11,11 @@
 //   the request's rows; work unit = (item, kv head), so a K/V row is read once per group of
 //   num_heads / num_kv_heads query heads (GQA) and query tile.
 // Query token j of a request with seq_len s and query_len n attends keys [0, s - n + j]
-// (causal, bottom-right aligned). Keys at or past a row's limit are never read, so slots past
-// seq_len (stale or poisoned) never reach the arithmetic. Accumulation is fp32 with an online
-// softmax over one KV block at a time.
+// (causal, bottom-right aligned). Keys at or past a tile's limit (its last row's) are never
+// read, so slots past seq_len (stale or poisoned) never reach the arithmetic; within a tile, a
+// key past a row's own limit never reaches that row (its score is replaced by -inf with a
+// select, its V row is not added). Accumulation is fp32 with an online softmax over chunks
+// of 16 key positions (cpu_paged_attention_tile.h).
 //
 // Threads: one OpenMP parallel region per call; built against the OpenMP runtime torch has
 // already loaded (same soname), so these are torch's intra-op threads.
@@ -22,7 +24,12 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>  // cpu_paged_attention_simd.h: 16-bit loads
+#endif
 
 #if defined(__FLT16_MAX__)
 using half_t = _Float16;
@@ -79,6 +86,8 @@ inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
+#include "cpu_paged_attention_simd.h"
+#include "cpu_paged_attention_rows.h"
 #include "cpu_paged_attention_tile.h"
 
 template <typename T>
@@ -140,4 +149,9 @@ int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* 
         case 2: return dispatch_dim<half_t>(p, num_threads);
         default: return 2;
     }
+}
+
+// Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.
+extern "C" __attribute__((visibility("default"))) int cpu_paged_attention_simd_width() {
+    return W;
 }
