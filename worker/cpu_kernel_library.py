@@ -1,8 +1,8 @@
-"""The compiled CPU paged-attention kernel (worker/kernels/cpu_paged_attention.cpp), built
-with the system C++ compiler on first use and cached on disk (worker/native_build.py).
+"""Compiled CPU kernel libraries (worker/kernels/*.cpp), built with the system C++ compiler on
+first use and cached on disk (worker/native_build.py); here the paged-attention kernel's.
 
-The library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
-and loads first, so the dynamic loader binds it to torch's copy: the kernel's parallel region
+Each library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
+and loads first, so the dynamic loader binds it to torch's copy: a kernel's parallel region
 runs on torch's intra-op threads, never on a second pool.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,18 +36,29 @@ def cache_dir() -> Path:
                                "~/.cache/deltaserve/cpu-kernels")).expanduser()
 
 
+def build_library(tag: str, sources: Sequence[str], extra_flags: Sequence[str] = ()) -> Path:
+    """The path of the library compiled from `sources` in KERNEL_DIR (the first is the
+    translation unit, the rest what it includes); compiles unless the cache holds it."""
+    text = f'#include "{KERNEL_DIR / sources[0]}"\n'
+    return native_build.cached_library(text, [KERNEL_DIR / s for s in sources],
+                                       [*CXX_FLAGS, *extra_flags, f"-I{KERNEL_DIR}"],
+                                       cache_dir(), tag)
+
+
+def entry_point(library: Path, name: str, argtypes: Sequence[type]) -> ctypes._CFuncPtr:
+    """`name` in `library`, returning an int status (ctypes releases the GIL during calls)."""
+    function = getattr(ctypes.CDLL(str(library)), name)
+    function.restype = ctypes.c_int
+    function.argtypes = list(argtypes)
+    return function
+
+
 def build() -> Path:
-    """The built library's path (compiles unless the cache holds this source/flags/CPU)."""
-    text = f'#include "{KERNEL_DIR / SOURCES[0]}"\n'
-    return native_build.cached_library(text, [KERNEL_DIR / s for s in SOURCES],
-                                       [*CXX_FLAGS, f"-I{KERNEL_DIR}"], cache_dir(),
-                                       "cpu-paged-attention")
+    """The attention library's path (compiles unless the cache holds this source/flags/CPU)."""
+    return build_library("cpu-paged-attention", SOURCES)
 
 
 @functools.cache
 def load() -> ctypes._CFuncPtr:
-    """The kernel's entry point (ctypes releases the GIL during the call)."""
-    function = ctypes.CDLL(str(build())).cpu_paged_attention
-    function.restype = ctypes.c_int
-    function.argtypes = ARGTYPES
-    return function
+    """The attention kernel's entry point."""
+    return entry_point(build(), "cpu_paged_attention", ARGTYPES)
