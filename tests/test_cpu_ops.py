@@ -12,9 +12,13 @@ import logging
 
 import pytest
 import torch
+from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
 
+from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+from protocol import EngineConfig, SamplingParams
 from worker import cpu_ops
 from worker.activation import silu_and_mul, silu_and_mul_torch
+from worker.model_runner import ModelRunner
 from worker.rms_norm import RMSNorm
 from worker.rotary_embedding import RotaryEmbedding
 
@@ -201,3 +205,27 @@ def test_without_a_compiler_falls_back_to_torch_with_one_warning(monkeypatch, ca
 def test_disabled_uses_torch(monkeypatch):
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     assert cpu_ops.native_ops() is None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_model_greedy_matches_hf_on_either_attention_backend(ops, backend, tmp_path_factory):
+    """Native ops rotate q/k in place inside the fused qkv output; both CPU attention backends
+    take those strided views and the tokens still equal Hugging Face's."""
+    path = model_dir_for(tmp_path_factory, "llama")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7, [5]]
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", attention_backend=backend,
+                                      num_gpu_blocks_override=64, max_model_len=128))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                                          max_model_len=128),
+                          CacheConfig(16, runner.num_blocks, False))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(str(i), prompt, params, arrival_time=float(i)))
+    tokens: dict[str, list[int]] = {}
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        for out in scheduler.update_from_output(so, runner.execute_model(so)):
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert runner.attention.name == backend
+    assert_greedy_matches([tokens[str(i)] for i in range(len(prompts))],
+                          hf_greedy(path, prompts, 8))

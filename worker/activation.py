@@ -1,4 +1,4 @@
-"""SiluAndMul: the gated activation of the Llama MLP on its fused gate_up projection."""
+"""The gated SiLU activation of the Llama MLP, applied to its fused gate_up projection."""
 from __future__ import annotations
 
 import torch

@@ -72,8 +72,8 @@ class CpuOps:
         += x in place first, and the normalized rows are the updated residual's."""
         n, hidden = x.shape
         out = torch.empty((n, hidden), dtype=out_dtype)
-        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None \
-            else (None, 0)
+        res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(),
+                                                                   residual.stride(0))
         status = self._norm(DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], out.data_ptr(),
                             hidden, x.data_ptr(), x.stride(0), res_ptr, res_stride,
                             weight.data_ptr(), n, hidden, eps, torch.get_num_threads())
