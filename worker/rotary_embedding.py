@@ -39,9 +39,9 @@ class RotaryEmbedding(nn.Module):
     `f = position * inv_freq`, exactly as Hugging Face computes them per forward.
 
     Numerics follow Hugging Face: cos/sin are rounded to q's dtype and the products and sum
-    are formed in q's dtype (each rounded), not in float32 with one rounding. In bfloat16
-    the two differ by an ulp now and then, and keeping HF's rounding keeps our greedy tokens
-    equal to HF's; the native op (worker/kernels/cpu_ops.cpp) reproduces it bit for bit.
+    are formed in q's dtype (each rounded), not in float32 with one rounding (which would
+    differ from HF in bfloat16 by an ulp now and then). So rotated q/k equal HF's bit for bit
+    in every dtype; the native op (worker/kernels/cpu_ops.cpp) reproduces the same rounding.
     """
 
     def __init__(self, head_dim: int, max_positions: int, base: float,
