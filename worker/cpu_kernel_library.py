@@ -1,8 +1,8 @@
-"""The compiled CPU paged-attention kernel (worker/kernels/cpu_paged_attention.cpp), built
-with the system C++ compiler on first use and cached on disk (worker/native_build.py).
+"""Compiled CPU kernel libraries (worker/kernels/*.cpp), built with the system C++ compiler on
+first use and cached on disk (worker/native_build.py); here the paged-attention kernel's.
 
-The library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
-and loads first, so the dynamic loader binds it to torch's copy: the kernel's parallel region
+Each library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
+and loads first, so the dynamic loader binds it to torch's copy: a kernel's parallel region
 runs on torch's intra-op threads, never on a second pool.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,26 +38,39 @@ def cache_dir() -> Path:
                                "~/.cache/deltaserve/cpu-kernels")).expanduser()
 
 
-def build(march: str = "native") -> Path:
-    """The built library's path (compiles unless the cache holds this source/flags/CPU).
-    `march` other than native builds a portable variant (tests build x86-64-v3 and
-    x86-64 to check the AVX2 and baseline SIMD paths on an AVX-512 host)."""
-    text = f'#include "{KERNEL_DIR / SOURCES[0]}"\n'
+def build_library(tag: str, sources: Sequence[str], extra_flags: Sequence[str] = (),
+                  march: str = "native") -> Path:
+    """The path of the library compiled from `sources` in KERNEL_DIR (the first is the
+    translation unit, the rest what it includes); compiles unless the cache holds it.
+    `march` other than native builds a portable variant (tests build x86-64-v3 and x86-64 to
+    check the AVX2 and baseline SIMD paths on an AVX-512 host)."""
+    text = f'#include "{KERNEL_DIR / sources[0]}"\n'
     flags = [f if f != "-march=native" else f"-march={march}" for f in CXX_FLAGS]
-    return native_build.cached_library(text, [KERNEL_DIR / s for s in SOURCES],
-                                       [*flags, f"-I{KERNEL_DIR}"], cache_dir(),
-                                       "cpu-paged-attention")
+    return native_build.cached_library(text, [KERNEL_DIR / s for s in sources],
+                                       [*flags, *extra_flags, f"-I{KERNEL_DIR}"],
+                                       cache_dir(), tag)
+
+
+def entry_point(library: Path, name: str, argtypes: Sequence[type],
+                restype: type = ctypes.c_int) -> ctypes._CFuncPtr:
+    """`name` in `library` (ctypes releases the GIL during calls)."""
+    function = getattr(ctypes.CDLL(str(library)), name)
+    function.restype = restype
+    function.argtypes = list(argtypes)
+    return function
+
+
+def build(march: str = "native") -> Path:
+    """The attention library's path (compiles unless the cache holds this source/flags/CPU)."""
+    return build_library("cpu-paged-attention", SOURCES, march=march)
 
 
 @functools.cache
 def load(march: str = "native") -> ctypes._CFuncPtr:
-    """The kernel's entry point (ctypes releases the GIL during the call)."""
-    function = ctypes.CDLL(str(build(march))).cpu_paged_attention
-    function.restype = ctypes.c_int
-    function.argtypes = ARGTYPES
-    return function
+    """The attention kernel's entry point, returning an int status."""
+    return entry_point(build(march), "cpu_paged_attention", ARGTYPES)
 
 
 def simd_width(march: str = "native") -> int:
     """Floats per SIMD vector in that build (16: AVX-512, 8: AVX2, 4: baseline)."""
-    return ctypes.CDLL(str(build(march))).cpu_paged_attention_simd_width()
+    return entry_point(build(march), "cpu_paged_attention_simd_width", [])()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.activation import silu_and_mul
 from worker.attention_backend import AttentionBackend
 from worker.attention_metadata import AttentionMetadata
 from worker.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -55,15 +55,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # silu(gate) * up in float32, rounded once (no-ops when computing in float32)
-        return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     """The residual stream is float32 whatever the compute dtype (a bfloat16 stream loses
     most of a bf16 model's precision over its layers); each sublayer runs in `dtype`, the
-    linear weights' dtype, and its output is added to the stream in float32."""
+    linear weights' dtype, and its output is added to the stream in float32.
+
+    A layer adds its sublayers' outputs lazily (vLLM's fused_add_rms_norm pattern): each norm
+    first adds the previous sublayer's output to the stream, so the layer returns its MLP
+    output for the next layer's (or the final) norm to add."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel,
                  backend: AttentionBackend) -> None:
@@ -77,13 +79,19 @@ class LlamaDecoderLayer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mlp.down_proj.weight.dtype
 
-    def forward(self, positions: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        """residual: [num_tokens, hidden_size] float32 -> the same, this layer added."""
+    def forward(self, positions: torch.Tensor, pending: torch.Tensor | None,
+                residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        """residual: [num_tokens, hidden_size] float32, updated in place; pending: the
+        previous layer's output in the compute dtype, not yet added to it (None for the
+        first layer). Returns this layer's pending MLP output."""
         dtype = self.dtype
-        residual = residual + self.self_attn(positions, self.input_layernorm(residual, dtype),
-                                             kv_cache, metadata, rotary)
-        return residual + self.mlp(self.post_attention_layernorm(residual, dtype))
+        if pending is None:
+            hidden = self.input_layernorm(residual, dtype)
+        else:
+            hidden = self.input_layernorm.add_and_norm(pending, residual, dtype)
+        attn = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, dtype))
 
 
 class LlamaModel(nn.Module):
@@ -101,10 +109,15 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         """-> [num_tokens, hidden_size] in the compute dtype (the LM head's)."""
         embeds = self.embed_tokens(input_ids)  # [num_tokens, hidden_size], compute dtype
+        # The float32 stream, updated in place by the layers (a fresh tensor: the embedding
+        # lookup's output, or its float32 copy).
         residual = embeds.float()
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            residual = layer(positions, residual, kv_cache, metadata, self.rotary_emb)
-        return self.norm(residual, embeds.dtype)
+            pending = layer(positions, pending, residual, kv_cache, metadata, self.rotary_emb)
+        if pending is None:  # no layers
+            return self.norm(residual, embeds.dtype)
+        return self.norm.add_and_norm(pending, residual, embeds.dtype)
 
 
 class LlamaForCausalLM(nn.Module):

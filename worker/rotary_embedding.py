@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.cpu_ops import native_ops
+
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
@@ -35,6 +37,11 @@ class RotaryEmbedding(nn.Module):
 
     `cos`/`sin` are float32 tables `[max_positions, head_dim]`, each row `cat(f, f)` with
     `f = position * inv_freq`, exactly as Hugging Face computes them per forward.
+
+    Numerics follow Hugging Face: cos/sin are rounded to q's dtype and the products and sum
+    are formed in q's dtype (each rounded), not in float32 with one rounding (which would
+    differ from HF in bfloat16 by an ulp now and then). So rotated q/k equal HF's bit for bit
+    in every dtype; the native op (worker/kernels/cpu_ops.cpp) reproduces the same rounding.
     """
 
     def __init__(self, head_dim: int, max_positions: int, base: float,
@@ -48,7 +55,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim].
+        On the CPU (native op available, heads contiguous) q and k are rotated in place and
+        returned; otherwise new tensors are."""
+        ops = native_ops() if q.is_cpu else None
+        if ops is not None and ops.rotary_supported(q, k, self.cos):
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
