@@ -121,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     model_commands.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
-        from worker.omp_wait import bound_omp_spinning
-        bound_omp_spinning()  # before worker_proc imports torch
         from worker.worker_proc import main as worker_main
         secret = ["--worker-secret-file", args.worker_secret_file] if args.worker_secret_file \
             else []
