@@ -69,6 +69,7 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.pending: set[str] = set()  # request ids sent and not yet finished
         self.last_heard = time.monotonic()
+        self.next_hang_check = 0.0  # monotonic time; _check_hang reads /proc at most every POLL_MS
 
     def wait_ready(self) -> EngineReady:
         """Block until the engine reports ready; on failure, stop everything and raise."""
@@ -155,10 +156,14 @@ class EngineClient:
                       "engine_core")
 
     def _check_hang(self) -> None:
-        """Only when nothing arrived (reading the process state costs a /proc read): raise if
-        the engine core is stopped, or silent past its step timeout with requests pending."""
-        if self.proc is None:
+        """Only when nothing arrived, and at most every POLL_MS (reading the process state costs
+        a /proc read, and a caller polling with a short timeout would pay it every few
+        milliseconds): raise if the engine core is stopped, or silent past its step timeout
+        with requests pending."""
+        now = time.monotonic()
+        if self.proc is None or now < self.next_hang_check:
             return
+        self.next_hang_check = now + POLL_MS / 1000
         state = _state(self.proc.pid)
         if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
             self._die(f"engine_core (pid {self.proc.pid}) is {state} and cannot make progress",
