@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import onednn_linear
 from worker.tensor_parallel import TensorParallel
 
 
@@ -39,13 +40,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Computed in float32 whatever the model dtype: a half-precision product rounds logits to
     8 (bf16) bits, which turns near-ties into exact ties and flips greedy tokens. A float32
-    copy of the weight is made on first use (the weights are final by then)."""
+    copy of the weight (packed for oneDNN on a CPU) is made on first use, when the weights are
+    final; the embedding keeps the dense table, which a tied head shares."""
 
     weight_float32: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32."""
         if self.weight_float32 is None:
-            self.weight_float32 = self.weight.detach().float()
-        logits = self.tp.all_gather(F.linear(hidden.float(), self.weight_float32))
+            weight = self.weight.detach().float()
+            self.weight_float32 = (onednn_linear.pack(weight)
+                                   if onednn_linear.enabled(weight.device) else weight)
+        logits = self.tp.all_gather(onednn_linear.linear(hidden.float(), self.weight_float32))
         return logits[..., :self.vocab_size]

@@ -6,9 +6,9 @@ layers split the input features and all-reduce the partial outputs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.onednn_linear import linear, packed_parameter
 from worker.tensor_parallel import TensorParallel
 
 
@@ -30,7 +30,11 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
+        self.weight = packed_parameter(self.weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -122,5 +126,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.in_start, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
+
+    def pack(self) -> None:
+        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
+        self.weight = packed_parameter(self.weight)

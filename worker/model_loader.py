@@ -10,7 +10,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker import onednn_linear
 from worker.attention_backend import AttentionBackend
+from worker.linear import ColumnParallelLinear, RowParallelLinear
 from worker.llama import LlamaForCausalLM
 from worker.model_config import ModelConfig
 from worker.rms_norm import RMSNorm
@@ -34,6 +36,10 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         if id(param) not in keep_float32:
             param.data = param.data.to(dtype)
     load_weights(model, model_dir)
+    if onednn_linear.enabled(device):
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.pack()
     return model.eval()
 
 
