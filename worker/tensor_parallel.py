@@ -6,6 +6,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker.shm_all_reduce import ShmAllReduce
+
 
 class TensorParallel:
     """Passed to every parallel layer; with one rank the collectives are no-ops."""
@@ -15,16 +17,21 @@ class TensorParallel:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.rank = rank
         self.world_size = world_size
+        # Local CPU ranks: small sums through shared memory instead of gloo's TCP.
+        self.shm: ShmAllReduce | None = None
 
     @staticmethod
     def initialize(rank: int, world_size: int, init_method: str, device: torch.device,
                    timeout_s: float = 60.0) -> TensorParallel:
         """Join the process group: gloo on CPU, NCCL on CUDA."""
+        tp = TensorParallel(rank, world_size)
         if world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        return TensorParallel(rank, world_size)
+            if device.type == "cpu" and init_method.startswith("file://"):  # all ranks local
+                tp.shm = ShmAllReduce.create(rank, world_size, timeout_s)
+        return tp
 
     def shard(self, size: int, what: str) -> int:
         """The per-rank part of a dimension that must split evenly."""
@@ -34,7 +41,8 @@ class TensorParallel:
         return size // self.world_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        """Sum `x` in place across the ranks (identical bits on every rank)."""
+        if self.world_size > 1 and not (self.shm is not None and self.shm.all_reduce(x)):
             dist.all_reduce(x)
         return x
 

@@ -1,0 +1,74 @@
+"""The shared-memory all-reduce of local tensor-parallel CPU ranks (worker/shm_all_reduce.py),
+in two real processes joined through gloo: exact sums, identical bits on both ranks, every
+dtype, the gloo fallback for tensors over a slot, and a segment that leaves nothing behind."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from worker import shm_all_reduce
+from worker.shm_all_reduce import ShmAllReduce
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+# (dtype, numel) per call, in call order; the last one exceeds a slot and goes through gloo.
+CALLS = ([(torch.float32, n) for n in (1, 576, 256 * 576, 3)]
+         + [(torch.bfloat16, 577), (torch.float16, 64)] * 20
+         + [(torch.float32, shm_all_reduce.SLOT_BYTES // 4 + 1)])
+
+
+def _input(rank: int, call: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * call + rank)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def _expected(call: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """Rank order, float32 accumulation, one rounding (what the kernel and gloo compute for
+    two ranks)."""
+    total = sum(_input(r, call, dtype, numel).float() for r in range(WORLD))
+    return total.to(dtype)
+
+
+def _rank(rank: int, init_method: str, out_dir: str) -> None:
+    from worker.tensor_parallel import TensorParallel
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, WORLD, init_method, torch.device("cpu"))
+    assert tp.shm is not None
+    results = []
+    for call, (dtype, numel) in enumerate(CALLS):
+        results.append(tp.all_reduce(_input(rank, call, dtype, numel)))
+    assert tp.shm._seq == len(CALLS) - 1  # the oversized call went through gloo
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def _run_group(tmp_path) -> list[list[torch.Tensor]]:
+    context = multiprocessing.get_context("spawn")
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [context.Process(target=_rank, args=(r, init, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_sums_are_exact_and_identical_on_every_rank(tmp_path):
+    before = {n for n in os.listdir(shm_all_reduce.SHM_DIR) if n.startswith("deltaserve-")}
+    per_rank = _run_group(tmp_path)
+    for call, (dtype, numel) in enumerate(CALLS):
+        want = _expected(call, dtype, numel)
+        for results in per_rank:
+            assert results[call].dtype == dtype
+            assert torch.equal(results[call], want), (call, dtype, numel)
+    after = {n for n in os.listdir(shm_all_reduce.SHM_DIR) if n.startswith("deltaserve-")}
+    assert after <= before  # the segment was unlinked once both ranks had mapped it
+
+
+def test_switch_off_keeps_gloo(monkeypatch):
+    monkeypatch.setenv(shm_all_reduce.ENV_SWITCH, "0")
+    assert ShmAllReduce.create(0, 2, 1.0) is None  # before any collective: no group needed

@@ -1,0 +1,94 @@
+// All-reduce (sum) between the tensor-parallel ranks of one host through a shared memory
+// segment, for the small per-layer reductions of decode steps, where gloo's loopback TCP
+// costs a process wake-up per call (worker/shm_all_reduce.py).
+//
+// Segment layout (every rank maps the same bytes; a fresh segment is all zeros):
+//   flags  [world] uint64, one per 64-byte line: the last sequence number rank r published
+//   slots  [world][2][slot_bytes]: rank r's input for calls of sequence parity 0 and 1
+// A call with sequence number seq (1, 2, ... in call order, the same on every rank):
+//   1. copy the input into its own slot of parity seq % 2; publish flags[rank] = seq (release)
+//   2. wait until every flags[r] >= seq (acquire)
+//   3. sum the world slots of parity seq % 2 in rank order, in float32, rounded once into the
+//      caller's tensor: every rank computes the same bits.
+// Reuse is safe with two parities: a rank overwrites its parity-p slot at seq + 2 only after
+// every peer published seq + 1, which a peer does only after it finished reading seq.
+// Waiting spins briefly, then yields the core (the peer may be descheduled on a busy host);
+// after timeout_s it gives up with status 1 (a peer died or hung).
+#include <sched.h>
+#include <time.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_dtypes.h"
+
+namespace {
+
+constexpr int64_t FLAG_STRIDE = 64 / sizeof(uint64_t);  // one cache line per flag
+constexpr int SPINS_BEFORE_YIELD = 4000;
+constexpr int MAX_WORLD = 64;
+
+int64_t header_bytes(int world) { return world * 64; }
+
+std::atomic<uint64_t>* flag(void* base, int r) {
+    return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint64_t*>(base) +
+                                                     r * FLAG_STRIDE);
+}
+
+char* slot(void* base, int world, int64_t slot_bytes, int r, uint64_t seq) {
+    return static_cast<char*>(base) + header_bytes(world) + (2 * r + (seq & 1)) * slot_bytes;
+}
+
+double now_s() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+bool wait_for_peers(void* base, int world, uint64_t seq, double timeout_s) {
+    double deadline = 0.0;
+    for (int r = 0; r < world; ++r) {
+        for (int spins = 0; flag(base, r)->load(std::memory_order_acquire) < seq; ++spins) {
+            if (spins < SPINS_BEFORE_YIELD) {
+                __builtin_ia32_pause();
+                continue;
+            }
+            if (deadline == 0.0) deadline = now_s() + timeout_s;
+            if (now_s() > deadline) return false;
+            sched_yield();
+        }
+    }
+    return true;
+}
+
+template <class T>
+void sum_slots(void* base, int world, int64_t slot_bytes, uint64_t seq, T* out, int64_t n) {
+    const T* src[MAX_WORLD];
+    for (int r = 0; r < world; ++r)
+        src[r] = reinterpret_cast<const T*>(slot(base, world, slot_bytes, r, seq));
+    for (int64_t i = 0; i < n; ++i) {
+        float acc = to_float(src[0][i]);
+        for (int r = 1; r < world; ++r) acc += to_float(src[r][i]);
+        out[i] = from_float<T>(acc);
+    }
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+int shm_all_reduce(void* base, int64_t slot_bytes, int rank, int world, uint64_t seq,
+                   int dtype, void* data, int64_t numel, double timeout_s) {
+    static const int64_t sizes[] = {4, 2, 2};
+    if (dtype < 0 || dtype > 2 || world < 1 || world > MAX_WORLD || rank < 0 || rank >= world || seq == 0) return 2;
+    if (numel * sizes[dtype] > slot_bytes) return 3;
+    std::memcpy(slot(base, world, slot_bytes, rank, seq), data, numel * sizes[dtype]);
+    flag(base, rank)->store(seq, std::memory_order_release);
+    if (!wait_for_peers(base, world, seq, timeout_s)) return 1;
+    switch (dtype) {
+        case 0: sum_slots(base, world, slot_bytes, seq, static_cast<float*>(data), numel); break;
+        case 1: sum_slots(base, world, slot_bytes, seq, static_cast<bf16*>(data), numel); break;
+        default: sum_slots(base, world, slot_bytes, seq, static_cast<half_t*>(data), numel);
+    }
+    return 0;
+}
