@@ -18,8 +18,8 @@ import torch
 from worker import native_build
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("cpu_paged_attention.cpp", "cpu_paged_attention_simd.h", "cpu_paged_attention_rows.h",
-           "cpu_paged_attention_tile.h")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_paged_attention_simd.h",
+           "cpu_paged_attention_rows.h", "cpu_paged_attention_tile.h")
 CXX_FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
              "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=fast", "-Wall", "-Wextra",
              "-Werror")

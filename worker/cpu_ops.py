@@ -22,7 +22,7 @@ from worker.cpu_kernel_library import DTYPE_CODES
 logger = logging.getLogger("deltaserve")
 
 ENABLED = os.environ.get("DELTASERVE_CPU_OPS", "1") != "0"
-SOURCES = ("cpu_ops.cpp", "cpu_dtypes.h")
+SOURCES = ("cpu_ops.cpp", "cpu_dtypes.h", "cpu_exp.h")
 # No FMA contraction (round like the torch reference); no trapping math (lets floor in the
 # exponential vectorize).
 EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")

@@ -12,7 +12,17 @@ from worker.onednn_linear import linear, packed_parameter
 from worker.tensor_parallel import TensorParallel
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """A tensor-parallel linear layer's `weight`, packable once loading is done."""
+
+    weight: nn.Parameter
+
+    def pack(self) -> None:
+        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
+        self.weight = packed_parameter(self.weight)
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
@@ -31,10 +41,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-    def pack(self) -> None:
-        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
-        self.weight = packed_parameter(self.weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,7 +108,7 @@ def _even_part(total: int, parts: int, index: int) -> tuple[int, int]:
     return index * base + min(index, extra), base + (index < extra)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = all_reduce(x_shard W_shard^T) + b with W's columns (input features) split: evenly,
     or as `shard` = (start, size) gives (o_proj follows the query heads' uneven split)."""
 
@@ -128,7 +134,3 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
-
-    def pack(self) -> None:
-        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
-        self.weight = packed_parameter(self.weight)

@@ -12,7 +12,7 @@ from torch import nn
 
 from worker import onednn_linear
 from worker.attention_backend import AttentionBackend
-from worker.linear import ColumnParallelLinear, RowParallelLinear
+from worker.linear import LinearBase
 from worker.llama import LlamaForCausalLM
 from worker.model_config import ModelConfig
 from worker.rms_norm import RMSNorm
@@ -38,7 +38,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     load_weights(model, model_dir)
     if onednn_linear.enabled(device):
         for module in model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, LinearBase):
                 module.pack()
     return model.eval()
 

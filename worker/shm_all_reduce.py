@@ -38,8 +38,7 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_u
 class ShmAllReduce:
     def __init__(self, fd: int, rank: int, world: int, timeout_s: float) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.size = world * 64 + 2 * world * SLOT_BYTES
-        self._map = mmap.mmap(fd, self.size)
+        self._map = mmap.mmap(fd, _segment_bytes(world))
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._seq = 0
         library = cpu_kernel_library.build_library("shm-all-reduce",
@@ -96,13 +95,18 @@ class ShmAllReduce:
         return True
 
 
+def _segment_bytes(world: int) -> int:
+    """One 64-byte flag line per rank, then two slots per rank (shm_all_reduce.cpp)."""
+    return world * 64 + 2 * world * SLOT_BYTES
+
+
 def _open_segment(path: str, create: bool, world: int) -> tuple[int, str]:
     """(fd, "") or (-1, why): rank 0 creates the zeroed segment, the others open it."""
     try:
         if not create:
             return os.open(path, os.O_RDWR), ""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, world * 64 + 2 * world * SLOT_BYTES)
+        os.ftruncate(fd, _segment_bytes(world))
         return fd, ""
     except OSError as e:
         return -1, str(e)

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cpu_dtypes.h"
+#include "cpu_exp.h"
 
 namespace {
 
@@ -42,23 +43,6 @@ void for_each_token(int64_t num_tokens, int64_t work, int num_threads, const F& 
     } else {
         for (int64_t t = 0; t < num_tokens; ++t) body(t);
     }
-}
-
-// e^x for x <= 0 (Cephes-style: exp(x) = 2^n e^r, |r| <= ln2/2, degree-6 polynomial);
-// exactly 0 below -87 (that also covers -inf). Branch-free, so it vectorizes in simd loops.
-inline float exp_nonpositive(float x) {
-    float c = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
-    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-    return x < -87.0f ? 0.0f : p * two_n;
 }
 
 // silu(x) = x * sigmoid(x), the exponent never positive (no overflow for any x):

@@ -31,11 +31,8 @@
 #include <immintrin.h>  // cpu_paged_attention_simd.h: 16-bit loads
 #endif
 
-#if defined(__FLT16_MAX__)
-using half_t = _Float16;
-#else
-#error "needs a compiler with _Float16 (GCC >= 12 or Clang >= 15 on x86-64)"
-#endif
+#include "cpu_dtypes.h"
+#include "cpu_exp.h"
 
 namespace {
 
@@ -52,39 +49,6 @@ struct Params {
     int num_heads, num_kv_heads, head_dim, block_size;
     float scale;
 };
-
-struct bf16 { uint16_t bits; };
-
-inline float to_float(float x) { return x; }
-inline float to_float(half_t x) { return static_cast<float>(x); }
-inline float to_float(bf16 x) {
-    return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16);
-}
-inline void from_float(float x, float* y) { *y = x; }
-inline void from_float(float x, half_t* y) { *y = static_cast<half_t>(x); }
-inline void from_float(float x, bf16* y) {  // round to nearest even; NaN stays NaN
-    const uint32_t u = __builtin_bit_cast(uint32_t, x);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    y->bits = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u
-                                                                      : rounded);
-}
-
-// e^x for x <= 0 (Cephes-style: exp(x) = 2^n e^r, |r| <= ln2/2, degree-6 polynomial);
-// exactly 0 below -87 (that also covers -inf). Branch-free, so it vectorizes inside simd loops.
-inline float exp_nonpositive(float x) {
-    float c = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
-    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-    return x < -87.0f ? 0.0f : p * two_n;
-}
 
 #include "cpu_paged_attention_simd.h"
 #include "cpu_paged_attention_rows.h"

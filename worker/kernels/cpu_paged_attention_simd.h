@@ -79,23 +79,16 @@ inline float hsum(Vec v) {
     return s;
 }
 
-// e^x for x <= 0, lane-wise: the vector twin of exp_nonpositive (same polynomial; n rounded
-// to nearest by the 1.5 * 2^23 trick instead of floor(x + 0.5)); exactly 0 below -87 and
-// for -inf.
+// e^x for x <= 0, lane-wise: the vector twin of exp_nonpositive (cpu_exp.h; n rounded to
+// nearest by the 1.5 * 2^23 trick instead of floor(x + 0.5)); exactly 0 below -87 and for
+// -inf.
+using ::exp_nonpositive;  // the scalar one stays visible next to this overload
 inline Vec exp_nonpositive(Vec x) {
     const Vec lo = splat(-87.0f), magic = splat(12582912.0f);  // 1.5 * 2^23
     const Vec c = x < lo ? lo : x;
     const Vec n = (c * 1.44269504088896341f + magic) - magic;
-    const Vec r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    Vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
     const Vec two_n = reinterpret_cast<Vec>((__builtin_convertvector(n, VecI) + 127) << 23);
-    return x < lo ? Vec{} : p * two_n;
+    return x < lo ? Vec{} : exp_polynomial(exp_remainder(c, n)) * two_n;
 }
 
 // Transposes W vectors in place (v[i][j] <-> v[j][i]) by log2(W) rounds of a perfect

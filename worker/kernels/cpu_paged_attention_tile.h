@@ -118,7 +118,7 @@ private:
                                * static_cast<int64_t>(dim());
             const float* a = state_.acc_rows(m);
             const float inv = 1.0f / hsum(load(state_.sum.data() + static_cast<size_t>(m) * W));
-            for (int d = 0; d < dim(); ++d) from_float(a[d] * inv, dst + d);
+            for (int d = 0; d < dim(); ++d) dst[d] = from_float<T>(a[d] * inv);
         }
     }
 
