@@ -13,11 +13,16 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_linear.enabled(CPU),
                                 reason="torch here has no oneDNN (mkldnn) linear")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# oneDNN packs bfloat16 weights only where the CPU has avx512bw+vl or avx_ne_convert (AMD EPYC
+# hosts with AVX2 alone have neither); `pack` then keeps the dense weight.
+BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_matches_dense(dtype, rows):
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        pytest.skip("this CPU has no oneDNN bfloat16 path (needs avx512bw/vl or avx_ne_convert)")
     torch.manual_seed(rows)
     weight, bias = torch.randn(96, 80).to(dtype), torch.randn(96).to(dtype)
     x = torch.randn(rows, 80).to(dtype)
@@ -40,6 +45,17 @@ def test_strided_and_batched_inputs():
 def test_float16_stays_dense():
     weight = torch.randn(8, 8).half()
     assert onednn_linear.pack(weight) is weight  # no packed float16 path is relied on
+
+
+def test_unpackable_weight_stays_dense(monkeypatch):
+    """Where oneDNN refuses a dtype on this CPU (bfloat16 on an AVX2-only host), the layer
+    keeps its dense weight and F.linear."""
+    def refuse(weight, batch_hint):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    weight, x = torch.randn(16, 8).bfloat16(), torch.randn(3, 8).bfloat16()
+    assert onednn_linear.pack(weight) is weight
+    torch.testing.assert_close(onednn_linear.linear(x, weight), F.linear(x, weight))
 
 
 def test_switch_off(monkeypatch):
