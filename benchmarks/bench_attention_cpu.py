@@ -6,8 +6,8 @@ token (written into its slot, then attended), physical blocks shuffled. Time is 
 call (the step's plan is built by the first call and reused, as in the engine). Bandwidth
 counts the KV bytes the step must read: seq_len x 2 (K and V) x kv_heads x head_dim x dtype
 size per request. A same-run memory copy (read + write) gives the machine's scale.
-`--baseline REV` adds the kernel as of git revision REV (its worker/ sources and build
-flags, built into a temporary directory) as a third column, interleaved with the others.
+`--baseline REV` adds the kernel as of git revision REV (its worker/kernels sources, built
+with today's flags into the kernel cache) as a third column, interleaved with the others.
 Run: python benchmarks/bench_attention_cpu.py [--reqs 64 256] [--context 128 512] [--rounds 3]
      [--threads N] [--cpu-time] [--baseline REV]
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import io
+import pathlib
 import statistics
 import subprocess
 import tarfile
@@ -26,9 +26,10 @@ import time
 import torch
 from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
 
-from worker.attention_metadata import AttentionMetadata
-from worker.cpu_attention import CpuAttentionBackend
-from worker.torch_attention import TorchAttentionBackend
+from worker.attention.cpu_backend import CpuAttentionBackend
+from worker.attention.metadata import AttentionMetadata
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.native import build, cpu_attention, library
 
 SHAPES = {"demo": (4, 2, 64), "smollm2": (9, 3, 64)}  # heads, kv_heads, head_dim
 BLOCK_SIZE = 16
@@ -82,18 +83,20 @@ def copy_gbps() -> float:
 
 
 def baseline_kernel(rev: str):
-    """The kernel entry point as of git revision `rev`: that revision's worker/ extracted into
-    a temporary directory, its cpu_kernel_library module loaded from there and built."""
-    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "worker"], check=True,
+    """The kernel entry point as of git revision `rev`: that revision's worker/kernels
+    extracted into a temporary directory and built with today's flags (the entry point's
+    arguments must be today's)."""
+    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "worker/kernels"], check=True,
                          capture_output=True).stdout
     tmp = tempfile.mkdtemp(prefix="deltaserve-baseline-")
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(tmp, filter="data")
-    spec = importlib.util.spec_from_file_location(
-        "baseline_cpu_kernel_library", f"{tmp}/worker/cpu_kernel_library.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.load()
+    kernels = pathlib.Path(tmp) / "worker" / "kernels"
+    text = f'#include "{kernels / "cpu_paged_attention.cpp"}"\n'
+    path = build.cached_library(text, sorted(kernels.iterdir()),
+                                [*library.CXX_FLAGS, f"-I{kernels}"], library.cache_dir(),
+                                f"baseline-{rev}")
+    return library.entry_point(path, "cpu_paged_attention", cpu_attention.ARGTYPES)
 
 
 def measure(case: tuple, rounds: int, budget_s: float, clock=time.perf_counter,

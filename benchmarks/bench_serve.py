@@ -23,8 +23,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from server_utils import Server  # noqa: E402
 
 from launch import LLM, SamplingParams  # noqa: E402
-from launch.bench_serve import _run, add_bench_serve_args, random_prompts, vocab_size  # noqa: E402,E501
-from launch.engine_args import SHIPPED_MODEL  # noqa: E402
+from launch.cli.bench_serve import _run, add_bench_serve_args, random_prompts, vocab_size  # noqa: E402,E501
+from launch.model_cache.cache import SHIPPED_MODEL  # noqa: E402
 
 ENGINE = {"dtype": "float32", "tensor_parallel_size": 1, "max_num_seqs": 64}
 

@@ -6,7 +6,7 @@ from typing import Protocol
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.sched.scheduler import Scheduler
 from protocol.engine_config import EngineConfig
 from protocol.engine_messages import AbortRequests, AddRequest, AddRequests, EngineCoreOutput
 from protocol.model_runner_output import ModelRunnerOutput

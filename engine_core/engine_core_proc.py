@@ -12,8 +12,8 @@ import zmq
 
 from common.process import POLL_MS, become_child, configure_logging
 from engine_core.engine_core import EngineCore
-from engine_core.worker_failure import WorkerFailure
-from engine_core.worker_group import WorkerGroup
+from engine_core.workers.worker_failure import WorkerFailure
+from engine_core.workers.worker_group import WorkerGroup
 from protocol import (
     AbortRequests,
     AddRequest,

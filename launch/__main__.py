@@ -1,6 +1,6 @@
 """`python -m launch ...` is the `deltaserve` command."""
 import sys
 
-from launch.cli import main
+from launch.cli.main import main
 
 sys.exit(main())

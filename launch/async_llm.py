@@ -1,6 +1,6 @@
 """The online API: `AsyncLLM`, the engine for many concurrent asyncio callers (the server).
 
-    engine = AsyncLLM(model="launch/default_model", max_num_seqs=64)
+    engine = AsyncLLM(model="launch/model_cache/default_model", max_num_seqs=64)
     async for out in engine.generate("def f(", SamplingParams(max_tokens=32), "req-1"):
         print(out.outputs[0].text)    # cumulative by default; output_kind=DELTA: new text only
 
@@ -23,14 +23,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from launch.engine_client import POLL_MS, EngineClient
+from launch.client.engine_client import POLL_MS, EngineClient
 from launch.errors import EngineDeadError
-from launch.input_processor import PromptType
-from launch.iteration_stats import FinishedRequest, IterationStats, StatLogger
 from launch.llm import start_engine
+from launch.metrics.stats import FinishedRequest, IterationStats, StatLogger
 from launch.outputs import RequestOutput, RequestOutputKind
-from launch.request_state import RequestState
-from launch.request_stream import RequestStream
+from launch.processing.input_processor import PromptType
+from launch.processing.request_state import RequestState
+from launch.processing.request_stream import RequestStream
 from protocol import EngineCoreOutput, SamplingParams
 
 logger = logging.getLogger("deltaserve")

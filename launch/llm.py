@@ -10,13 +10,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from launch.chat_template import ChatTemplate
-from launch.engine_client import EngineClient
-from launch.input_processor import InputProcessor, PromptType, per_prompt
-from launch.model_cache import resolve_model
+from launch.client.engine_client import EngineClient
+from launch.model_cache.cache import resolve_model
 from launch.outputs import RequestOutput
-from launch.request_tracker import RequestTracker
-from launch.tokenizer import load_tokenizer, stop_token_ids_of
+from launch.processing.chat_template import ChatTemplate
+from launch.processing.input_processor import InputProcessor, PromptType, per_prompt
+from launch.processing.output_processor import RequestTracker
+from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
 from protocol import EngineConfig, SamplingParams
 
 

@@ -11,7 +11,7 @@ import zmq
 
 from common.process import make_runtime_dir
 from engine_core.engine_core import EngineCore
-from engine_core.worker_group import WorkerGroup
+from engine_core.workers.worker_group import WorkerGroup
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 from replay.recorded_run import Print, RecordedRun, readable, unified_diff
 

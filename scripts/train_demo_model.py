@@ -73,7 +73,7 @@ class TrainSettings:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="launch/default_model", help="output directory")
+    p.add_argument("--out", default="launch/model_cache/default_model", help="output directory")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps (the budget)")
     p.add_argument("--minutes", type=float, default=None,
                    help="optional wall-clock cap on training; stops early (non-deterministic)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention_metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata
 
 
 @dataclass

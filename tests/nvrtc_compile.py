@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.cuda_kernels import NVRTC_OPTIONS, kernel_source, name_expressions
+from worker.attention.cuda.kernels import NVRTC_OPTIONS, kernel_source, name_expressions
 
 
 @dataclass

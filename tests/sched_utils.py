@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.sched.scheduler import Scheduler
 from protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 EOS_TOKEN_ID = 50256

@@ -11,7 +11,7 @@ import pytest
 from model_utils import make_tiny_model
 
 from launch import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
-from launch.api_server import build_app
+from launch.entrypoints.openai.api_server import build_app
 
 pytestmark = pytest.mark.slow
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.block_pool import BlockPool, IntegrityError
-from engine_core.free_block_queue import FreeBlockQueue, KVCacheBlock
+from engine_core.kv_cache.block_pool import BlockPool, IntegrityError
+from engine_core.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
 
 def _ids(blocks) -> list[int]:

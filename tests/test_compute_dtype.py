@@ -10,9 +10,9 @@ from model_utils import hf_greedy, model_dir_for
 from test_model_runner import PROMPTS, generate
 
 from protocol import EngineConfig
-from worker.compute_dtype import ENV_OVERRIDE, cpu_has_native, resolve_compute_dtype
+from worker.device import ENV_OVERRIDE, cpu_has_native, resolve_compute_dtype
+from worker.layers.layernorm import RMSNorm
 from worker.model_runner import ModelRunner
-from worker.rms_norm import RMSNorm
 
 BF16_TIE = 0.05  # float32 logit gap below which bf16 may pick the other token
 MAX_NEW = 10

@@ -18,9 +18,11 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
-from worker import cpu_attention, cpu_kernel_library, native_build
-from worker.cpu_attention import CpuAttentionBackend, make_cpu_backend, work_items
-from worker.torch_attention import TorchAttentionBackend
+from worker.attention import selector
+from worker.attention.cpu_backend import CpuAttentionBackend, tile_work_items
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.native import build as native_build
+from worker.native import cpu_attention
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 SPECS = {  # (context_len, query_len) per request
@@ -40,7 +42,7 @@ SHAPES = [  # dtype, head_dim, block_size
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     try:
-        return cpu_kernel_library.load()
+        return cpu_attention.load()
     except native_build.CompilerUnavailable as e:
         pytest.skip(f"no C++ compiler: {e}")
 
@@ -122,11 +124,11 @@ def test_strided_views_of_a_fused_qkv_tensor():
 
 
 def test_work_items_tile_queries_and_put_costly_first():
-    items = work_items([1, 40, 1, 3], [10, 50, 99, 3], group=2)  # 16 tokens per tile
+    items = tile_work_items([1, 40, 1, 3], [10, 50, 99, 3], group=2)  # 16 tokens per tile
     # costs (keys x tokens): 672, 416, 400, 99, 10, 9
     assert items.tolist() == [[1, 16, 32], [1, 0, 16], [1, 32, 40], [2, 0, 1], [0, 0, 1],
                               [3, 0, 3]]
-    assert work_items([1, 1], [5, 9], group=64).tolist() == [[1, 0, 1], [0, 0, 1]]
+    assert tile_work_items([1, 1], [5, 9], group=64).tolist() == [[1, 0, 1], [0, 0, 1]]
 
 
 def test_layers_share_one_plan_per_head_group():
@@ -141,13 +143,14 @@ def test_layers_share_one_plan_per_head_group():
 
 def test_without_a_compiler_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(cpu_attention, "_fallback_warned", False)
-    cpu_kernel_library.load.cache_clear()
+    monkeypatch.setattr(selector, "_fallback_warned", False)
+    cpu_attention.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="deltaserve"):
-            backends = [make_cpu_backend(), make_cpu_backend()]
+            backends = [selector.make_attention_backend("cpu", torch.device("cpu"))
+                        for _ in range(2)]
     finally:
-        cpu_kernel_library.load.cache_clear()
+        cpu_attention.load.cache_clear()
     assert [b.name for b in backends] == ["torch", "torch"]
     warnings = [r for r in caplog.records if "cpu attention kernel unavailable" in r.message]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].message
@@ -156,7 +159,7 @@ def test_without_a_compiler_falls_back_to_torch_with_one_warning(monkeypatch, ca
 def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
     monkeypatch.setenv("DELTASERVE_KERNEL_CACHE", str(tmp_path))
     paths = []
-    threads = [threading.Thread(target=lambda: paths.append(cpu_kernel_library.build()))
+    threads = [threading.Thread(target=lambda: paths.append(cpu_attention.build()))
                for _ in range(2)]
     for t in threads:
         t.start()
@@ -208,8 +211,8 @@ def test_portable_simd_builds(march, width):
     """The AVX2 and baseline builds of the same source (8- and 4-lane vectors; this host may
     run the AVX-512 one) against the reference: decode and prefill tiles (direct and
     transposed scores), a head dim that is not a multiple of the vector, 16-bit types."""
-    backend = CpuAttentionBackend(cpu_kernel_library.load(march))
-    assert cpu_kernel_library.simd_width(march) == width
+    backend = CpuAttentionBackend(cpu_attention.load(march))
+    assert cpu_attention.simd_width(march) == width
     cases = [(torch.float32, 64, 16, (8, 2)), (torch.bfloat16, 80, 32, (12, 4)),
              (torch.float16, 96, 16, (16, 1)), (torch.float32, 36, 16, (4, 4))]
     for dtype, head_dim, block_size, heads in cases:
@@ -224,7 +227,7 @@ def test_portable_simd_builds(march, width):
 def test_native_build_uses_the_widest_vectors():
     flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
     expected = 16 if " avx512f " in flags else 8 if " avx2 " in flags else 4
-    assert cpu_kernel_library.simd_width() == expected
+    assert cpu_attention.simd_width() == expected
 
 
 def test_future_keys_of_a_prefill_never_reach_earlier_rows():

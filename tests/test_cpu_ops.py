@@ -16,11 +16,11 @@ from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from protocol import EngineConfig, SamplingParams
-from worker import cpu_ops
-from worker.activation import silu_and_mul, silu_and_mul_torch
+from worker.layers.activation import silu_and_mul, silu_and_mul_torch
+from worker.layers.layernorm import RMSNorm
+from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.model_runner import ModelRunner
-from worker.rms_norm import RMSNorm
-from worker.rotary_embedding import RotaryEmbedding
+from worker.native import cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

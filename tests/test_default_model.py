@@ -8,7 +8,7 @@ import pytest
 from model_utils import assert_greedy_matches, hf_greedy
 
 from launch import LLM, SamplingParams
-from launch.engine_args import SHIPPED_MODEL
+from launch.model_cache.cache import SHIPPED_MODEL
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def push(self, item):"]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from model_utils import CORPUS, make_tiny_model
 
-from launch.chat_template import ChatTemplate
-from launch.gguf_converter import GGUFConversionError, convert_gguf
-from launch.tokenizer import load_tokenizer
+from launch.model_cache.gguf import GGUFConversionError, convert_gguf
+from launch.processing.chat_template import ChatTemplate
+from launch.processing.tokenizer import load_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -177,7 +177,7 @@ def test_refuses_what_it_cannot_convert(tmp_path):
 
 
 def test_cli_convert(tiny, tmp_path, capsys):
-    from launch.cli import main
+    from launch.cli.main import main
     _, gguf_file, _ = tiny
     assert main(["convert", gguf_file, str(tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")

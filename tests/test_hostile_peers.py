@@ -16,7 +16,7 @@ from engine_utils import engine_pids, wait_gone
 from model_utils import make_tiny_model
 
 from common.worker_auth import new_secret
-from engine_core.worker_group import WorkerGroup
+from engine_core.workers.worker_group import WorkerGroup
 from launch import LLM, EngineDeadError, SamplingParams
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 

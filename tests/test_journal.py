@@ -12,7 +12,7 @@ import pytest
 from model_utils import make_tiny_model
 
 from launch import LLM, SamplingParams
-from launch.cli import main as cli_main
+from launch.cli.main import main as cli_main
 from protocol import Channel, Codec, ModelRunnerOutput, SchedulerOutput
 from protocol.journal import (
     PREFIX,
@@ -129,7 +129,7 @@ def test_perturbed_answer_is_caught_at_its_step(recorded, tmp_path, capsys):
 def test_scheduler_change_is_reported_at_the_first_differing_step(recorded, capsys,
                                                                   monkeypatch):
     path, _ = recorded
-    from engine_core.scheduler import Scheduler
+    from engine_core.sched.scheduler import Scheduler
     original = Scheduler.schedule
 
     def altered(self):

@@ -1,4 +1,4 @@
-"""Tier 1, no GPU needed: every instantiation in worker/cuda_kernels.py's table compiles
+"""Tier 1, no GPU needed: every instantiation in worker/attention/cuda/kernels.py's table compiles
 exactly as CuPy's RawModule would (NVRTC through `cupy.cuda.nvrtc`, for sm_80 and sm_90) and
 with `nvcc -cubin -Xptxas -v` (sm_90), and ptxas reports no register spills and no
 local-memory stack frame for any kernel. Skipped, with the reason, where NVRTC or nvcc is
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from nvrtc_compile import nvrtc_compile
 
-from worker.cuda_kernels import (
+from worker.attention.cuda.kernels import (
     DECODE_ROWS,
     INSTANTIATIONS,
     KERNEL_DIR,

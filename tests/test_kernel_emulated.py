@@ -15,12 +15,12 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
-from worker.cuda_kernels import KernelConfig, name_expressions, source_paths
-from worker.emulated_attention import EmulatedAttentionBackend
+from worker.attention.cuda.emulated_backend import EmulatedAttentionBackend
+from worker.attention.cuda.kernels import KernelConfig, name_expressions, source_paths
+from worker.attention.cuda.planner import SplitPolicy, launch_work_items
+from worker.attention.torch_backend import TorchAttentionBackend
 from worker.emulator import EmulatorUnavailable, KernelEmulationError, load_library
 from worker.emulator.build import EMULATOR_DIR
-from worker.kernel_attention import SplitPolicy, work_items
-from worker.torch_attention import TorchAttentionBackend
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 SPECS = {  # (context_len, query_len) per request
@@ -137,9 +137,9 @@ def test_strided_views_of_a_fused_qkv_tensor():
 
 
 def test_work_items_and_split_policy():
-    items = work_items([1, 40, 1, 0, 3], [10, 50, 99, 7, 3], decode=False, tokens_per_item=16)
+    items = launch_work_items([1, 40, 1, 0, 3], [10, 50, 99, 7, 3], decode=False, tokens_per_item=16)
     assert items.tolist() == [[1, 32, 8, 50], [1, 16, 16, 42], [1, 0, 16, 26], [4, 0, 3, 3]]
-    assert work_items([1, 40, 1], [10, 50, 99], decode=True, tokens_per_item=1)[:, 0].tolist() \
+    assert launch_work_items([1, 40, 1], [10, 50, 99], decode=True, tokens_per_item=1)[:, 0].tolist() \
         == [2, 0]
     policy = SplitPolicy(target_ctas=264, min_split_tokens=256)
     assert policy.split_tokens(512, 4096) > 4096  # enough CTAs: no split

@@ -15,8 +15,8 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
-from worker.attention_backend import make_attention_backend
-from worker.cupy_attention import cuda_unavailable_reason
+from worker.attention.cuda.cupy_backend import cuda_unavailable_reason
+from worker.attention.selector import make_attention_backend
 
 REASON = cuda_unavailable_reason()
 needs_gpu = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -30,8 +30,8 @@ SPECS = {
 
 
 def _check(split_tokens, specs, **case_args):
-    from worker.cupy_attention import CupyAttentionBackend
-    from worker.torch_attention import TorchAttentionBackend
+    from worker.attention.cuda.cupy_backend import CupyAttentionBackend
+    from worker.attention.torch_backend import TorchAttentionBackend
     host = make_case(specs, **case_args)
     ref, dtype, n = reference(host), host.query.dtype, host.query.shape[0] - host.num_padding
     outs = []

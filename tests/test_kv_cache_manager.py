@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from engine_core.kv_cache.kv_cache_manager import KVCacheManager, hash_block_tokens
 from engine_core.request import Request
 from protocol import SamplingParams
 

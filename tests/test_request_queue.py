@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from sched_utils import make_requests
 
-from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from engine_core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue
 
 
 def _ids(queue) -> list[str]:

@@ -7,7 +7,7 @@ import torch
 
 from protocol import NewRequestData, SamplingParams
 from worker.input_batch import InputBatch
-from worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from worker.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 
 VOCAB = 50
 CPU = torch.device("cpu")

@@ -295,7 +295,7 @@ def test_llm_generate_from_two_threads(llm):
 
 
 def test_bench_serve_against_the_server(server, tmp_path, capsys):
-    from launch.cli import main
+    from launch.cli.main import main
     out = tmp_path / "result.json"
     assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "8",
                  "--random-input-len", "16", "--random-output-len", "8", "--max-concurrency",

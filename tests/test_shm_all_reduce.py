@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce of local tensor-parallel CPU ranks (worker/shm_all_reduce.py),
+"""The shared-memory all-reduce of local tensor-parallel CPU ranks (worker/distributed/shm_all_reduce.py),
 in two real processes joined through gloo: exact sums, identical bits on both ranks, every
 dtype, the gloo fallback for tensors over a slot, and a segment that leaves nothing behind."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from worker import shm_all_reduce
-from worker.shm_all_reduce import ShmAllReduce
+from worker.distributed import shm_all_reduce
+from worker.distributed.shm_all_reduce import ShmAllReduce
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -33,7 +33,7 @@ def _expected(call: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def _rank(rank: int, init_method: str, out_dir: str) -> None:
-    from worker.tensor_parallel import TensorParallel
+    from worker.distributed.tensor_parallel import TensorParallel
     torch.set_num_threads(1)
     tp = TensorParallel.initialize(rank, WORLD, init_method, torch.device("cpu"))
     assert tp.shm is not None

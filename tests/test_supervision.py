@@ -20,8 +20,8 @@ from model_utils import make_tiny_model
 
 from common.process import free_port
 from common.worker_auth import hello_proof, new_secret, secure_client
-from engine_core.worker_failure import WorkerFailure
-from engine_core.worker_group import WorkerGroup
+from engine_core.workers.worker_failure import WorkerFailure
+from engine_core.workers.worker_group import WorkerGroup
 from launch import LLM, EngineDeadError, SamplingParams
 from protocol import HEADER, Channel, Codec, EngineConfig, WorkerError, WorkerHello
 

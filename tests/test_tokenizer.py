@@ -5,9 +5,9 @@ import pytest
 from model_utils import save_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from launch.detokenizer import IncrementalDetokenizer, find_stop_string
-from launch.engine_args import SHIPPED_MODEL
-from launch.tokenizer import JsonTokenizer, load_tokenizer, stop_token_ids_of
+from launch.model_cache.cache import SHIPPED_MODEL
+from launch.processing.detokenizer import IncrementalDetokenizer, find_stop_string
+from launch.processing.tokenizer import JsonTokenizer, load_tokenizer, stop_token_ids_of
 
 TEXTS = ["def fibonacci(n):\n    return n", "  leading spaces\tand tabs\n\n",
          "unicode: naïve café — 東京 🚀", "<|endoftext|>special inside<|endoftext|>", "", "x"]

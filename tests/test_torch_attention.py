@@ -5,7 +5,7 @@ import pytest
 import torch
 from attention_cases import make_case, reference
 
-from worker.torch_attention import TorchAttentionBackend
+from worker.attention.torch_backend import TorchAttentionBackend
 
 SPECS = {
     "decode": [(0, 1), (15, 1), (16, 1), (17, 1), (100, 1), (31, 1)],

@@ -8,7 +8,7 @@ import torch
 
 from protocol.int_column import IntColumn
 from protocol.scheduler_output import NewRequestData, SchedulerOutput
-from worker.sampling_table import SamplingTable
+from worker.sample.sampling_table import SamplingTable
 
 MAX_HANDLES = 1 << 20  # far above any live request count; bounds row_of_handle's size
 

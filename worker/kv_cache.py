@@ -4,7 +4,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from worker.llama import KVCache
+from worker.models.llama import KVCache
 
 # Default CPU budget when none is given (vLLM's CPU backend also defaults to 4 GiB).
 _CPU_DEFAULT_BYTES = 4 << 30

@@ -6,15 +6,15 @@ import torch
 from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
-from worker.attention_backend import make_attention_backend
-from worker.compute_dtype import resolve_compute_dtype
+from worker.attention.selector import make_attention_backend
+from worker.device import resolve_compute_dtype
+from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
-from worker.model_config import ModelConfig
-from worker.model_loader import load_model
-from worker.sampler import Sampler
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
+from worker.sample.sampler import Sampler
 from worker.step_inputs import prepare_step
-from worker.tensor_parallel import TensorParallel
 
 
 def resolve_device(device: str) -> torch.device:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from protocol.scheduler_output import SchedulerOutput
-from worker.attention_metadata import AttentionMetadata
+from worker.attention.metadata import AttentionMetadata
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 
 

@@ -33,8 +33,8 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from worker.distributed.tensor_parallel import TensorParallel
 from worker.model_runner import ModelRunner, resolve_device
-from worker.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("deltaserve")
 # The largest step message the engine core may send (every new request's whole prompt) is far

@@ -5,7 +5,7 @@ requested template instantiations (their name expressions, exactly as NVRTC gets
 Libraries are cached under ~/.cache/deltaserve/kemu (or $DELTASERVE_KEMU_CACHE), keyed by a
 hash of every input and flag; a build goes to a temporary file renamed into place under a
 file lock, so concurrent processes (e.g. tensor-parallel workers) build it once
-(worker/native_build.py).
+(worker/native/build.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker import native_build
+from worker.native import build as native_build
 
 EMULATOR_DIR = Path(__file__).resolve().parent
 HEADERS = ("kemu.h", "kemu_fiber.h", "kemu_launch.h")

@@ -1,0 +1,111 @@
+"""The pool of KV-cache blocks: ref counts, the free list, and the prefix-cache hash map."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
+
+
+class IntegrityError(RuntimeError):
+    """The block pool's bookkeeping is inconsistent."""
+
+
+class BlockPool:
+    """Owns every block's metadata.
+
+    Invariants (audited by `check_integrity`): block 0 is the null block, never allocated,
+    counted or hashed; a block is in the free list iff its `ref_cnt` is 0; `block_hash` is set
+    iff the block is the value of that hash in `cached_block_hash_to_block` (one block per
+    hash: a block whose hash is already published stays unpublished).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks in use (the null block excluded)."""
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks from the head of the free list, evicting their old hashes."""
+        blocks = self.free_block_queue.popleft_n(n)
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; a hit that was free leaves the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the tail of the free list in order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
+                          num_cached: int, num_full: int) -> None:
+        """Publish `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`."""
+        table = self.cached_block_hash_to_block
+        for i in range(num_cached, num_full):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is None and block_hash not in table:
+                block.block_hash = block_hash
+                table[block_hash] = block
+
+    def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
+        """Verify free list, ref counts and hash map; raise IntegrityError on any mismatch.
+
+        `expected_ref_cnts` (block id -> holders), when given, must equal every block's count.
+        """
+        try:
+            free = self.free_block_queue.get_all_free_blocks()
+        except ValueError as e:
+            raise IntegrityError(str(e)) from None
+        free_ids = {b.block_id for b in free}
+        _require(len(free_ids) == len(free) == self.get_num_free_blocks(),
+                 f"free list holds {len(free)} entries ({len(free_ids)} distinct), "
+                 f"counter says {self.get_num_free_blocks()}")
+        null = self.null_block
+        _require(null.block_id == 0 and null.is_null and null.ref_cnt == 0
+                 and null.block_hash is None and 0 not in free_ids, "null block 0 was used")
+        for block in self.blocks[1:]:
+            in_free = block.block_id in free_ids
+            _require(block.ref_cnt >= 0 and (block.ref_cnt == 0) == in_free,
+                     f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free list: {in_free}")
+            if expected_ref_cnts is not None:
+                want = expected_ref_cnts.get(block.block_id, 0)
+                _require(block.ref_cnt == want,
+                         f"block {block.block_id}: ref_cnt {block.ref_cnt}, {want} holders")
+            if block.block_hash is not None:
+                _require(self.cached_block_hash_to_block.get(block.block_hash) is block,
+                         f"block {block.block_id} has a hash the map does not point back to")
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            _require(block.block_hash == block_hash and not block.is_null,
+                     f"hash map entry for block {block.block_id} does not match its hash")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise IntegrityError(message)

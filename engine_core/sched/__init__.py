@@ -1,0 +1,1 @@
+"""Scheduling: the scheduler, its step plan, queues, request table and stop checks."""

@@ -1,0 +1,1 @@
+"""The `deltaserve` command line: subcommands, engine flags, `serve` and `bench serve`."""

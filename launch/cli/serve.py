@@ -1,0 +1,128 @@
+"""`deltaserve serve`: flags, engine start, uvicorn, and an orderly exit on SIGTERM/Ctrl-C.
+
+Exit order: stop accepting connections, end in-flight streams with an error event (their
+requests fail with EngineDeadError "shutting down"), stop the engine's processes, remove its
+runtime directory, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+from launch.cli.engine_args import add_engine_args, engine_kwargs
+from launch.errors import EngineDeadError
+
+logger = logging.getLogger("deltaserve")
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name",
+                        help="the model name clients use (default: the model directory's name)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes "
+                        "(default: $DELTASERVE_API_KEY)")
+    parser.add_argument("--chat-template", help="a Jinja chat template file, for a model "
+                        "without one or to override its own")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(parser)
+
+
+def _graceful_server(config, on_exit):
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, telling the app's streams to end as soon as a signal arrives
+        (uvicorn would otherwise wait for them before its shutdown)."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+    return GracefulServer(config)
+
+
+def _exit_zero(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the slow engine start if the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from launch.async_llm import AsyncLLM
+    from launch.entrypoints.openai.api_server import build_app
+    from launch.entrypoints.openai.serving_chat import load_chat_template
+    from launch.metrics.prometheus import PrometheusStatLogger
+    _check_port(args.host, args.port)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    api_key = args.api_key or os.environ.get("DELTASERVE_API_KEY") or None
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
+    previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
+    engine = None
+    try:
+        metrics = PrometheusStatLogger(name)
+        engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
+        app = build_app(engine, name, api_key=api_key, metrics=metrics,
+                        chat_template=load_chat_template(engine.config.model, args.chat_template))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=False, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=5)
+        loop_of: dict[str, asyncio.AbstractEventLoop] = {}
+        shutting_down = EngineDeadError("the server is shutting down", "front-end")
+
+        def on_exit() -> None:
+            loop = loop_of.get("loop")
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(engine.fail_all, shutting_down)
+        server = _graceful_server(config, on_exit)
+
+        async def run() -> None:
+            loop_of["loop"] = asyncio.get_running_loop()
+            await server.serve()
+        logger.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
+        uvicorn_loop(run)
+        if not server.started:
+            print(f"deltaserve: error: the server did not start on {args.host}:{args.port}",
+                  file=sys.stderr)
+            return 1
+    except SystemExit as e:  # a signal (code 0), or uvicorn failing to start
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        for sig in EXIT_SIGNALS:  # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        if engine is not None:
+            engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def uvicorn_loop(main) -> None:
+    """Run `main()` on uvloop where available (as uvicorn's "auto" loop would)."""
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(main())

@@ -1,0 +1,1 @@
+"""Network entrypoints on `AsyncLLM`."""

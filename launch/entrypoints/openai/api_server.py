@@ -1,0 +1,147 @@
+"""The OpenAI-compatible HTTP server (`deltaserve serve`): a FastAPI app on `AsyncLLM`.
+
+Routes: GET /health, /v1/models, /version, /metrics; POST /v1/completions,
+/v1/chat/completions, /tokenize, /detokenize. Every error is OpenAI's JSON shape; with an API
+key, every /v1 route wants `Authorization: Bearer KEY`.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, read_body
+from launch.entrypoints.openai.serving_chat import OpenAIServingChat
+from launch.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from launch.entrypoints.openai.serving_engine import json_response
+from launch.metrics.prometheus import PrometheusStatLogger
+from launch.processing.chat_template import ChatTemplate
+
+
+class APIKeyMiddleware:
+    """401 for a /v1 request without `Authorization: Bearer <key>` (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                response = APIError(401, "a valid API key is required "
+                                    "(Authorization: Bearer KEY)").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
+              chat_template: ChatTemplate | None = None,
+              metrics: PrometheusStatLogger | None = None, owns_engine: bool = True) -> FastAPI:
+    """The app serving `engine`; with `owns_engine`, its shutdown stops the engine."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        if owns_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="deltaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _error_handlers(app)
+    completions = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template)
+    app.post("/v1/completions")(completions.create)
+    app.post("/v1/chat/completions")(chat.create)
+    _info_routes(app, engine, served_model_name, metrics)
+    _tokenizer_routes(app, engine, chat)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        return APIError(500, f"internal error: {e!r}").response()
+
+
+def _info_routes(app: FastAPI, engine: AsyncLLM, name: str,
+                 metrics: PrometheusStatLogger | None) -> None:
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return APIError(503, f"the engine is not available: {engine.dead}").response()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": started, "owned_by": "deltaserve",
+            "root": engine.config.model, "parent": None,
+            "max_model_len": engine.max_model_len}]})
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            value = metadata.version("deltaserve")
+        except metadata.PackageNotFoundError:
+            value = "unknown"
+        return json_response({"version": value})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data = b"" if metrics is None else generate_latest(metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _tokenizer_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -> None:
+    def tokenizer() -> Any:
+        if engine.tokenizer is None:
+            raise APIError(400, "the model directory has no tokenizer")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        body = await read_body(raw, TokenizeRequest)
+        chat.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = tokenizer().encode(chat.render(body.messages, body.add_generation_prompt),
+                                     add_special_tokens=False)
+        else:
+            ids = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return json_response({"count": len(ids), "max_model_len": engine.max_model_len,
+                              "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        body = await read_body(raw, DetokenizeRequest)
+        chat.check_model(body.model)
+        vocab = engine.inputs.ready.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad}", "tokens")
+        return json_response({"prompt": tokenizer().decode(body.tokens)})

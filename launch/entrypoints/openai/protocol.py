@@ -1,0 +1,157 @@
+"""Request bodies of the OpenAI-compatible API, and their translation to engine inputs.
+
+Structural fields (`model`, `prompt`, `messages`, `stream`, ...) are typed here; sampling
+fields are passed through untyped to `SamplingParams`, so a bad value gets the same message
+through the server as through `LLM`. Unknown fields are ignored, as OpenAI's API does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import Request
+
+from launch.entrypoints.openai.errors import APIError
+from protocol import SamplingParams
+
+MAX_BODY_BYTES = 16 << 20
+MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_SEQUENCES = 4096  # prompts x n in one request
+
+# vLLM's sampling fields the completion and chat routes accept, as SamplingParams names them.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "skip_special_tokens", "include_stop_str_in_output")
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    n: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    seed: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+    max_tokens: Any = None
+    min_tokens: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
+    """The JSON body as `kind`; 413 past MAX_BODY_BYTES (counted as it arrives), 400 for
+    anything that is not a JSON object of the right shape."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        return msgspec.json.decode(b"".join(chunks), type=kind)
+    except msgspec.ValidationError as e:
+        where = str(e).partition(" - at `$.")[2]
+        param = where.rstrip("`").split(".")[0].split("[")[0] or None
+        raise APIError(400, f"invalid request: {e}", param) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None,
+                    **overrides: Any) -> SamplingParams:
+    """SamplingParams from the fields the body sets (null means "not set") over the route's
+    `defaults`; a ValueError from its validation becomes a 400 with the same message."""
+    values = dict(defaults or {})
+    values.update({name: v for name in SAMPLING_FIELDS if (v := getattr(body, name)) is not None})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise APIError.bad_request(str(e)) from None
+
+
+def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
+    """`prompt` as a string, a list of strings, a list of token ids or a list of such lists,
+    as engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(type(p) is int for p in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if all(isinstance(p, str) for p in prompt):
+            prompts: list[str | dict[str, Any]] = list(prompt)
+        elif all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+            prompts = [{"prompt_token_ids": p} for p in prompt]
+        else:
+            prompts = []
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
+                           "prompt")
+        if prompts:
+            return prompts
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or "
+                   "a list of lists of token ids (non-empty)", "prompt")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template; content given as parts keeps its text parts only."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, "only text content parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        out.append({"role": m.role, "content": content})
+    return out

@@ -1,0 +1,155 @@
+"""`POST /v1/chat/completions`: messages rendered with the chat template, whole or streamed."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from launch.async_llm import AsyncLLM, ProcessedInput
+from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    message_dicts,
+    read_body,
+    sampling_params,
+)
+from launch.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    json_response,
+    merge,
+    now,
+    request_id,
+    sse,
+    stream_error,
+    until_disconnected,
+    usage,
+)
+from launch.errors import EngineDeadError
+from launch.outputs import CompletionOutput, RequestOutputKind
+from launch.processing.chat_template import ChatTemplate, ChatTemplateError
+from launch.processing.request_stream import RequestStream
+
+
+def load_chat_template(model_dir: str, path: str | None) -> ChatTemplate | None:
+    """`--chat-template FILE` if given, else the model's own, else None (chat then answers
+    400). The special tokens a template may name come from the model's tokenizer config."""
+    if path is None:
+        try:
+            return ChatTemplate.from_model_dir(model_dir)
+        except ChatTemplateError:
+            return None
+    with open(path) as f:
+        source = f.read()
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config = json.load(open(config_path)) if os.path.isfile(config_path) else {}
+    tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+              if k.endswith("_token") and isinstance(v, (str, dict))}
+    return ChatTemplate(source, {k: v for k, v in tokens.items() if isinstance(v, str)})
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, served_model_name: str,
+                 template: ChatTemplate | None) -> None:
+        super().__init__(engine, served_model_name)
+        self.template = template
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise APIError(400, "the model has no chat template (no chat_template in its "
+                           "tokenizer_config.json, no chat_template.jinja); start the server "
+                           "with --chat-template FILE", "messages")
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        try:
+            return self.template.render(message_dicts(messages), add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+
+    async def create(self, raw: Request) -> Response:
+        body = await read_body(raw, ChatCompletionRequest)
+        self.check_model(body.model)
+        self.check_alive()
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
+        params = sampling_params(body, {"max_tokens": max_tokens},
+                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        prompt = self.render(body.messages, body.add_generation_prompt)
+        inputs = [self.process(prompt, params, add_special_tokens=False)]
+        rid = request_id("chatcmpl")
+        if body.stream:  # submitted once the response streams: a client gone before never is
+            return StreamingResponse(self._stream(rid, body, inputs[0]),
+                                     media_type="text/event-stream")
+        streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
+        (out,) = await until_disconnected(raw, self.collect(streams))
+        choices = [{"index": seq.index,
+                    "message": {"role": "assistant", "content": seq.text},
+                    "logprobs": chat_logprobs(seq, body.top_logprobs or 0)
+                    if body.logprobs else None,
+                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                    **({"token_ids": seq.token_ids} if body.return_token_ids else {})}
+                   for seq in out.outputs]
+        return json_response({
+            "id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+            "choices": choices,
+            **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
+            "usage": usage(len(out.prompt_token_ids),
+                           sum(len(s.token_ids) for s in out.outputs))})
+
+    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput
+                      ) -> AsyncIterator[bytes]:
+        created, generated = now(), 0
+        streams: list[RequestStream] = []
+
+        def chunk(index: int, delta: dict[str, Any], seq: CompletionOutput | None) -> bytes:
+            finish = None if seq is None else seq.finish_reason
+            logprobs = (chat_logprobs(seq, body.top_logprobs or 0)
+                        if body.logprobs and seq is not None else None)
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name,
+                        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish,
+                                     "stop_reason": None if seq is None or finish is None
+                                     else seq.stop_reason}]})
+        try:
+            streams = self.submit(rid, [inputs], RequestOutputKind.DELTA)
+            for index in range(inputs.params.n):
+                yield chunk(index, {"role": "assistant", "content": ""}, None)
+            async for _, out in merge(streams):
+                for seq in out.outputs:
+                    generated += len(seq.token_ids)
+                    if seq.text or seq.finish_reason or (seq.token_ids and body.logprobs):
+                        yield chunk(seq.index, {"content": seq.text} if seq.text else {}, seq)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [],
+                           "usage": usage(len(inputs.prompt_token_ids), generated)})
+            yield SSE_DONE
+        except (EngineDeadError, APIError) as e:
+            yield stream_error(e)
+            yield SSE_DONE
+        finally:
+            self.abort(streams)
+
+
+def chat_logprobs(seq: CompletionOutput, top: int) -> dict[str, list]:
+    """The chat shape: per token its text, logprob, UTF-8 bytes and the `top` best."""
+    content = []
+    for token_id, step in zip(seq.token_ids, seq.logprobs or ()):
+        sampled = step[token_id]
+        best = sorted((lp for lp in step.values() if lp.rank is not None),
+                      key=lambda lp: lp.rank)[:top]
+        content.append({**_entry(sampled), "top_logprobs": [_entry(lp) for lp in best]})
+    return {"content": content}
+
+
+def _entry(lp: Any) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}

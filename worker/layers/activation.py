@@ -1,0 +1,22 @@
+"""The gated SiLU activation of the Llama MLP, applied to its fused gate_up projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.native.cpu_ops import native_ops
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, 2 * d] = [gate | up] -> silu(gate) * up [tokens, d] in x's dtype, computed
+    in float32 and rounded once (the native op on the CPU when it handles x, else torch)."""
+    ops = native_ops() if x.is_cpu else None
+    if ops is not None and ops.silu_and_mul_supported(x):
+        return ops.silu_and_mul(x)
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    # no-op conversions when computing in float32
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)

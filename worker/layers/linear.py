@@ -1,0 +1,136 @@
+"""Tensor-parallel linear layers. Each parameter's `weight_loader` shards a checkpoint tensor.
+
+Column-parallel layers split the output features across ranks (no communication); row-parallel
+layers split the input features and all-reduce the partial outputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers.onednn_linear import linear, packed_parameter
+
+
+class LinearBase(nn.Module):
+    """A tensor-parallel linear layer's `weight`, packable once loading is done."""
+
+    weight: nn.Parameter
+
+    def pack(self) -> None:
+        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
+        self.weight = packed_parameter(self.weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T + b with W's rows (output features) split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
+                 bias: bool = False, out_per_rank: int | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = out_per_rank or tp.shard(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
+            if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        start = self.tp.rank * self.out_per_rank
+        param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (gate and up).
+
+    Each rank's weight is `[shard of part 0; shard of part 1; ...]`.
+    """
+
+    def __init__(self, in_features: int, part_sizes: list[int], tp: TensorParallel) -> None:
+        super().__init__(in_features, sum(part_sizes), tp)
+        self.part_sizes = [tp.shard(size, "merged projection") for size in part_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
+                      part: int = 0) -> None:
+        size = self.part_sizes[part]
+        offset = sum(self.part_sizes[:part])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one matmul, split by whole GQA groups.
+
+    With at least as many KV heads as ranks, rank r holds a contiguous run of KV heads (as
+    even as possible: 3 heads over 2 ranks are 2 + 1) and their query heads, so no group is
+    cut and the ranks' shares may differ. With fewer KV heads than ranks, KV heads are
+    replicated (rank r uses KV head `r * num_kv_heads // tp`) and query heads split evenly.
+    Per rank the output is `[q | k | v]`; `q_start`/`num_heads` locate its query heads (the
+    row-parallel o_proj takes the same slice of its input features).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp: TensorParallel, bias: bool = False) -> None:
+        world, rank = tp.world_size, tp.rank
+        if num_kv_heads >= world:
+            self.kv_head_start, self.num_kv_heads = _even_part(num_kv_heads, world, rank)
+            group = num_heads // num_kv_heads
+            self.q_start, self.num_heads = self.kv_head_start * group, self.num_kv_heads * group
+        elif world % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide the "
+                             f"tensor-parallel size ({world})")
+        else:
+            self.num_heads = tp.shard(num_heads, "num_attention_heads")
+            self.q_start = rank * self.num_heads
+            self.num_kv_heads, self.kv_head_start = 1, rank * num_kv_heads // world
+        self.head_dim = head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp, bias,
+                         out_per_rank=(self.num_heads + 2 * self.num_kv_heads) * head_dim)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
+                      part: str = "q") -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if part == "q":
+            offset, size, start = 0, q_size, self.q_start * d
+        else:
+            offset = q_size if part == "k" else q_size + kv_size
+            size, start = kv_size, self.kv_head_start * d
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+def _even_part(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part `index` when `total` items are split into `parts` contiguous
+    parts whose sizes differ by at most one, the larger ones first."""
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+class RowParallelLinear(LinearBase):
+    """y = all_reduce(x_shard W_shard^T) + b with W's columns (input features) split: evenly,
+    or as `shard` = (start, size) gives (o_proj follows the query heads' uneven split)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
+                 bias: bool = False, shard: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        if shard is None:
+            size = tp.shard(in_features, "input features")
+            shard = (tp.rank * size, size)
+        self.in_start, self.in_per_rank = shard
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
+            if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param is self.bias:
+            param.data.copy_(loaded)
+            return
+        param.data.copy_(loaded.narrow(1, self.in_start, self.in_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,144 @@
+"""The Llama decoder family: Llama, Mistral (no sliding window), Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Tensor parallelism lives in the layers; shapes are per rank."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.attention.backend import AttentionBackend
+from worker.attention.metadata import AttentionMetadata
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers.activation import silu_and_mul
+from worker.layers.layernorm import RMSNorm
+from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.rotary_embedding import RotaryEmbedding
+from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) cache tensors
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, tp, config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, tp,
+            shard=(self.qkv_proj.q_start * d, self.qkv_proj.num_heads * d))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim, self.scale, self.backend = d, d ** -0.5, backend
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        n, d = hidden.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """The residual stream is float32 whatever the compute dtype (a bfloat16 stream loses
+    most of a bf16 model's precision over its layers); each sublayer runs in `dtype`, the
+    linear weights' dtype, and its output is added to the stream in float32.
+
+    A layer adds its sublayers' outputs lazily (vLLM's fused_add_rms_norm pattern): each norm
+    first adds the previous sublayer's output to the stream, so the layer returns its MLP
+    output for the next layer's (or the final) norm to add."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mlp.down_proj.weight.dtype
+
+    def forward(self, positions: torch.Tensor, pending: torch.Tensor | None,
+                residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        """residual: [num_tokens, hidden_size] float32, updated in place; pending: the
+        previous layer's output in the compute dtype, not yet added to it (None for the
+        first layer). Returns this layer's pending MLP output."""
+        dtype = self.dtype
+        if pending is None:
+            hidden = self.input_layernorm(residual, dtype)
+        else:
+            hidden = self.input_layernorm.add_and_norm(pending, residual, dtype)
+        attn = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, dtype))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                          config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        """-> [num_tokens, hidden_size] in the compute dtype (the LM head's)."""
+        embeds = self.embed_tokens(input_ids)  # [num_tokens, hidden_size], compute dtype
+        # The float32 stream, updated in place by the layers (a fresh tensor: the embedding
+        # lookup's output, or its float32 copy).
+        residual = embeds.float()
+        pending = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            pending = layer(positions, pending, residual, kv_cache, metadata, self.rotary_emb)
+        if pending is None:  # no layers
+            return self.norm(residual, embeds.dtype)
+        return self.norm.add_and_norm(pending, residual, embeds.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections stored inside a merged parameter: name -> (merged name, part).
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp, backend, max_positions)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32, identical on every rank."""
+        return self.lm_head.compute_logits(hidden)

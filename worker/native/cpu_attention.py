@@ -1,0 +1,33 @@
+"""The paged-attention library (worker/kernels/cpu_paged_attention*.{cpp,h}) and its entry
+point, as the cpu attention backend calls it."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from worker.native.library import F32, I32, I64, PTR, build_library, entry_point
+
+SOURCES = ("cpu_paged_attention.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_paged_attention_simd.h",
+           "cpu_paged_attention_rows.h", "cpu_paged_attention_tile.h")
+# dtype, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
+# query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out, num_heads,
+# num_kv_heads, head_dim, block_size, scale, num_threads
+ARGTYPES = [I32, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, I64,
+            PTR, I32, I32, I32, I32, F32, I32]
+
+
+def build(march: str = "native") -> Path:
+    """The library's path (compiles unless the cache holds this source/flags/CPU)."""
+    return build_library("cpu-paged-attention", SOURCES, march=march)
+
+
+@functools.cache
+def load(march: str = "native") -> ctypes._CFuncPtr:
+    """The attention kernel's entry point, returning an int status."""
+    return entry_point(build(march), "cpu_paged_attention", ARGTYPES)
+
+
+def simd_width(march: str = "native") -> int:
+    """Floats per SIMD vector in that build (16: AVX-512, 8: AVX2, 4: baseline)."""
+    return entry_point(build(march), "cpu_paged_attention_simd_width", [])()

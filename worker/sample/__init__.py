@@ -1,0 +1,1 @@
+"""Logits to tokens: per-step sampling metadata, logits processors and the sampler."""
