@@ -42,11 +42,12 @@ class Request:
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
-                 "length_end", "scheduled_time")
+                 "length_end", "scheduled_time", "block_hash_extra_keys")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
-                 priority: int = 0, eos_token_id: int | None = None) -> None:
+                 priority: int = 0, eos_token_id: int | None = None,
+                 block_hash_extra_keys: tuple[int | str, ...] = ()) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -59,8 +60,10 @@ class Request:
         self.status = RequestStatus.WAITING
         # Wire handle, assigned when first scheduled and kept until the request finishes.
         self.req_id = -1
-        # Chained hashes of the full blocks of all_token_ids, extended lazily.
+        # Chained hashes of the full blocks of all_token_ids, extended lazily; the extra
+        # keys (none by default) go into every block's hash.
         self.block_hashes: list[bytes] = []
+        self.block_hash_extra_keys = block_hash_extra_keys
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens or sys.maxsize

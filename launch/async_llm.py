@@ -17,32 +17,23 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from launch.client.engine_client import POLL_MS, EngineClient
+from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
-from launch.llm import start_engine
-from launch.metrics.stats import FinishedRequest, IterationStats, StatLogger
+from launch.metrics.stats import IterationStats, StatLogger
 from launch.outputs import RequestOutput, RequestOutputKind
-from launch.processing.input_processor import PromptType
+from launch.processing.input_processor import ProcessedInput, PromptType
+from launch.processing.output_processor import OutputProcessor
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
 from protocol import EngineCoreOutput, SamplingParams
 
 logger = logging.getLogger("deltaserve")
-
-
-@dataclass(frozen=True)
-class ProcessedInput:
-    """A validated prompt and its resolved parameters: what `add_request` submits."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class AsyncLLM:
@@ -56,8 +47,8 @@ class AsyncLLM:
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = self.inputs.ready.max_model_len
         self.stat_loggers = list(stat_loggers or [])
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
-        self._routes: dict[str, tuple[RequestStream, int]] = {}  # engine id -> (stream, i)
         self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
         self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)
@@ -92,14 +83,12 @@ class AsyncLLM:
         self.start()
         state = RequestState.create(request_id, inputs.prompt, inputs.prompt_token_ids,
                                     inputs.params, self.tokenizer)
-        stream = RequestStream(state, output_kind)
         requests = [self.inputs.make_request(child_id, inputs.prompt_token_ids, seq.params,
                                              state.times.arrival, priority)
                     for child_id, seq in zip(state.child_ids, state.sequences)]
         self.engine.add_requests(requests)
-        self.streams[request_id] = stream
-        for i, child_id in enumerate(state.child_ids):
-            self._routes[child_id] = (stream, i)
+        self.output_processor.add_request(state)
+        stream = self.streams[request_id] = RequestStream(state, output_kind)
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -127,13 +116,9 @@ class AsyncLLM:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        children = stream.state.unfinished_child_ids()
-        for child_id in stream.state.child_ids:
-            self._routes.pop(child_id, None)
-        stream.state.finish_all("abort")
+        stats = IterationStats(time.time())
+        children = self.output_processor.abort_request(request_id, stats)
         stream.notify()
-        stats = IterationStats(time.time(), finished_reasons=["abort"] * len(children))
-        self._finished(stream, stats)
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         if self.dead is None:
@@ -167,48 +152,15 @@ class AsyncLLM:
 
     def _process(self, outputs: list[EngineCoreOutput]) -> None:
         stats = IterationStats(time.time(), scheduler=self.engine.stats)
-        aborts: list[str] = []
-        for out in outputs:
-            route = self._routes.get(out.request_id)
-            if route is None:
-                continue  # aborted here already, or the echo of a stop-string abort
-            stream, index = route
-            self._account(stream.state, out, stats)
-            if stream.state.update(index, out, self.tokenizer):
-                aborts.append(out.request_id)
-            if stream.state.sequences[index].output.finished():
-                del self._routes[out.request_id]
-                stats.finished_reasons.append(stream.state.sequences[index].output.finish_reason)
-                if stream.state.finished:
-                    self._finished(stream, stats)
-            stream.notify()
-        if aborts:
-            self.engine.abort_requests(aborts)
+        result = self.output_processor.process_outputs(outputs, stats)
+        for state in result.updated:
+            self.streams[state.request_id].notify()
+        for state in result.finished:
+            del self.streams[state.request_id]
+        if result.aborts:
+            self.engine.abort_requests(result.aborts)
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
-
-    @staticmethod
-    def _account(state: RequestState, out: EngineCoreOutput, stats: IterationStats) -> None:
-        times, n = state.times, len(out.new_token_ids)
-        if out.scheduled_time is not None and times.queued_s is None:
-            times.queued_s = max(0.0, out.scheduled_time - times.arrival)
-        if not n:
-            return
-        stats.num_generation_tokens += n
-        if times.first_token is None:
-            times.first_token = stats.time
-            stats.num_prompt_tokens += len(state.prompt_token_ids)
-            stats.ttfts_s.append(stats.time - times.arrival)
-        elif times.last_token is not None:
-            stats.itls_s.append(stats.time - times.last_token)
-        times.last_token = stats.time
-
-    def _finished(self, stream: RequestStream, stats: IterationStats) -> None:
-        self.streams.pop(stream.request_id, None)
-        times = stream.state.times
-        reason = stream.state.sequences[0].output.finish_reason or "abort"
-        stats.finished.append(FinishedRequest(reason, stats.time - times.arrival,
-                                              times.queued_s))
 
     # --- death and shutdown ---------------------------------------------------------------
 
@@ -219,7 +171,8 @@ class AsyncLLM:
     def fail_all(self, error: EngineDeadError) -> None:
         """End every pending stream with `error`; later calls raise it at once."""
         self.dead = self.dead or error
-        streams, self.streams, self._routes = list(self.streams.values()), {}, {}
+        self.output_processor.drop_all()
+        streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             stream.fail(error)
 

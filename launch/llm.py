@@ -3,42 +3,23 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from launch.client.engine_client import EngineClient
-from launch.model_cache.cache import resolve_model
+from launch.client.startup import start_engine
+from launch.metrics.stats import IterationStats
 from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
-from launch.processing.input_processor import InputProcessor, PromptType, per_prompt
-from launch.processing.output_processor import RequestTracker
-from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
-from protocol import EngineConfig, SamplingParams
-
-
-def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient, InputProcessor]:
-    """Start the engine-core process (which starts the workers) for `model` and the engine
-    options in `engine_args` (the fields of `EngineConfig`), load the tokenizer meanwhile, and
-    wait until the engine is ready."""
-    model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
-    if not os.path.isdir(model):
-        raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
-                         "(nothing is downloaded from a model hub)")
-    config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
-    engine = EngineClient(config)  # the processes start while we load the tokenizer
-    try:
-        tokenizer = load_tokenizer(config.model)
-        stop_token_ids = stop_token_ids_of(config.model, tokenizer)
-        ready = engine.wait_ready()
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
-                                  config.max_logprobs)
+from launch.processing.input_processor import PromptType, per_prompt
+from launch.processing.output_processor import OutputProcessor, ProcessedOutputs
+from launch.processing.request_state import RequestState
+from protocol import SamplingParams
 
 
 class LLM:
@@ -53,6 +34,7 @@ class LLM:
         self.tokenizer = self.inputs.tokenizer
         self.stop_token_ids = self.inputs.stop_token_ids
         self.max_model_len = self.inputs.ready.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
@@ -73,20 +55,30 @@ class LLM:
         inputs = [self.inputs.tokenize(p) for p in prompts]
         resolved = [self.inputs.resolve(ids, sp) for (_, ids), sp in zip(inputs, params)]
         with self._lock:
-            tracker = RequestTracker(self.tokenizer, use_tqdm=use_tqdm)
-            now, batch = time.time(), []
+            progress = _Progress(len(prompts), use_tqdm)
+            now, batch, states = time.time(), [], []
             for i, ((text, ids), sp) in enumerate(zip(inputs, resolved)):
-                for child_id, child in tracker.add(str(next(self._ids)), text, ids, sp):
-                    batch.append(self.inputs.make_request(child_id, ids, child, now,
-                                                          priority[i] if priority else 0))
+                state = RequestState.create(str(next(self._ids)), text, ids, sp, self.tokenizer,
+                                            now)
+                self.output_processor.add_request(state)
+                states.append(state)
+                batch += [self.inputs.make_request(child_id, ids, seq.params, now,
+                                                   priority[i] if priority else 0)
+                          for child_id, seq in zip(state.child_ids, state.sequences)]
             self.engine.add_requests(batch)
             try:
-                while not tracker.done:
-                    self.engine.abort_requests(tracker.process(self.engine.get_outputs()))
+                while self.output_processor.has_unfinished():
+                    stats = IterationStats(time.time())
+                    result = self.output_processor.process_outputs(self.engine.get_outputs(),
+                                                                   stats)
+                    self.engine.abort_requests(result.aborts)
+                    progress.update(result, stats)
             except KeyboardInterrupt:  # leave the engine clean for the caller's next call
-                self.engine.abort_requests(tracker.unfinished_ids())
+                self.engine.abort_requests(self.output_processor.abort_all())
                 raise
-        return tracker.results()
+            finally:
+                progress.close()
+        return [state.output() for state in states]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -107,3 +99,23 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _Progress:
+    """A progress bar over one `generate` call: finished prompts and output tokens/s."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not enabled,
+                        dynamic_ncols=True)
+        self.generated = 0
+
+    def update(self, result: ProcessedOutputs, stats: IterationStats) -> None:
+        self.generated += stats.num_generation_tokens
+        if result.finished and not self.bar.disable:
+            self.bar.update(len(result.finished))
+            elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+            self.bar.set_postfix_str(f"{self.generated / elapsed:.0f} output toks/s",
+                                     refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -136,3 +136,20 @@ def test_free_releases_in_reverse_and_integrity_holds():
     assert manager.block_pool.get_num_free_blocks() == 7
     with pytest.raises(Exception):
         manager.block_pool.check_integrity({4: 1})
+
+
+def test_extra_keys_keep_blocks_apart():
+    """Blocks whose hash carries different extra keys (e.g. two adapters) never alias; the
+    same keys share, and no keys hash exactly the tokens."""
+    manager = KVCacheManager(11, 16)
+    tokens = list(range(40))
+    first = Request("a", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(1,))
+    _allocate(manager, first)
+    other = Request("b", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(2,))
+    assert manager.get_computed_blocks(other) == ([], 0)
+    same = Request("c", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(1,))
+    assert manager.get_computed_blocks(same)[1] == 32
+    plain = _req("d", tokens)
+    assert manager.get_computed_blocks(plain) == ([], 0)
+    assert hash_block_tokens(None, tokens[:16], ()) == hash_block_tokens(None, tokens[:16])
+    manager.check_integrity()

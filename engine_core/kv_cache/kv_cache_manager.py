@@ -9,10 +9,15 @@ from engine_core.kv_cache.free_block_queue import KVCacheBlock
 from engine_core.request import Request
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Chained block hash: equal hashes mean equal token prefixes, not just equal blocks."""
+def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int],
+                      extra_keys: tuple[int | str, ...] = ()) -> bytes:
+    """Chained block hash: equal hashes mean equal token prefixes, not just equal blocks.
+    `extra_keys` (e.g. an adapter id) set apart blocks whose KV differs for the same tokens;
+    none (the default) hashes exactly the tokens."""
     h = hashlib.blake2b(parent_hash or b"", digest_size=16)
     h.update(array("i", token_ids).tobytes())
+    if extra_keys:
+        h.update(b"\0extra" + repr(extra_keys).encode())
     return h.digest()
 
 
@@ -146,8 +151,8 @@ class KVCacheManager:
 
     def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:
         hashes, bs = request.block_hashes, self.block_size
-        tokens = request.all_token_ids
+        tokens, extra = request.all_token_ids, request.block_hash_extra_keys
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
             hashes.append(parent)

@@ -70,8 +70,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from launch.async_llm import AsyncLLM
     from launch.entrypoints.openai.api_server import build_app
-    from launch.entrypoints.openai.serving_chat import load_chat_template
     from launch.metrics.prometheus import PrometheusStatLogger
+    from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     api_key = args.api_key or os.environ.get("DELTASERVE_API_KEY") or None
@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
         app = build_app(engine, name, api_key=api_key, metrics=metrics,
-                        chat_template=load_chat_template(engine.config.model, args.chat_template))
+                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=5)

@@ -10,9 +10,6 @@ from typing import Any
 
 from launch.processing.tokenizer import read_json
 
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                   "cls_token", "mask_token")
-
 
 class ChatTemplateError(ValueError):
     """The directory has no chat template, or the template failed on these messages."""
@@ -27,12 +24,29 @@ class ChatTemplate:
         self._template = _environment().from_string(source)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> ChatTemplate:
+    def from_model_dir(cls, model_dir: str, path: str | None = None) -> ChatTemplate:
+        """The template in file `path` if given, else the directory's own; the special tokens
+        it may name come from the directory's tokenizer config either way."""
         config = read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        source = _template_source(model_dir, config)
+        if path is not None:
+            with open(path) as f:
+                source = f.read()
+        else:
+            source = _template_source(model_dir, config)
         if source is None:
             raise ChatTemplateError(f"the model directory {model_dir!r} has no chat template")
         return cls(source, _special_tokens(config))
+
+    @classmethod
+    def load(cls, model_dir: str, path: str | None = None) -> ChatTemplate | None:
+        """`from_model_dir`, or None when there is no template at all (no file given and
+        none in the directory)."""
+        try:
+            return cls.from_model_dir(model_dir, path)
+        except ChatTemplateError:
+            if path is not None:
+                raise
+            return None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                **context: Any) -> str:
@@ -88,11 +102,11 @@ def _template_source(model_dir: str, config: dict[str, Any]) -> str | None:
 
 
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """Every `*_token` of the tokenizer config (`bos_token`, `eos_token`, ...), as text."""
     tokens = {}
-    for name in _SPECIAL_TOKENS:
-        value = config.get(name)
+    for name, value in config.items():
         value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
+        if name.endswith("_token") and isinstance(value, str):
             tokens[name] = value
     return tokens
 

@@ -10,6 +10,7 @@ wire codec, so that what is sent is exactly what the engine core will decode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -26,6 +27,15 @@ from protocol import (
 
 PromptType = str | dict[str, Any]
 MAX_N = 128  # sequences per request, as OpenAI's API allows
+
+
+@dataclass(frozen=True)
+class ProcessedInput:
+    """A validated prompt and its resolved parameters: what `AsyncLLM.add_request` submits."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class InputProcessor:

@@ -1,71 +1,122 @@
-"""In-flight requests of one `LLM.generate` call: their states and a progress bar."""
+"""Engine outputs to request states: the front-end's one router, shared by `LLM` and
+`AsyncLLM` (vLLM's OutputProcessor).
+
+A request of n sequences is n engine requests (children); each child id routes to its
+request's `RequestState` and sequence index until that sequence finishes. Stop strings are
+applied in the state; a sequence one ended while the engine still runs it is returned in
+`aborts`, for the caller to abort in the engine.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm import tqdm
-
-from launch.outputs import RequestOutput
+from launch.metrics.stats import FinishedRequest, IterationStats
 from launch.processing.request_state import RequestState
-from protocol import EngineCoreOutput, SamplingParams
+from protocol import EngineCoreOutput
 
 
-class RequestTracker:
-    """Routes engine outputs to the `RequestState`s of one batch. A stop string is applied
-    there, and the sequence is then aborted in the engine (the ids to abort are returned)."""
+@dataclass(slots=True)
+class ProcessedOutputs:
+    updated: list[RequestState] = field(default_factory=list)  # changed, in output order
+    finished: list[RequestState] = field(default_factory=list)  # every sequence finished
+    aborts: list[str] = field(default_factory=list)  # children a stop string ended
 
-    def __init__(self, tokenizer: Any | None, use_tqdm: bool = True) -> None:
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}
-        self.sequence_of: dict[str, tuple[RequestState, int]] = {}  # engine id -> (state, i)
-        self.unfinished = 0
-        self.bar = tqdm(total=0, desc="Processed prompts", unit="req", disable=not use_tqdm,
-                        dynamic_ncols=True)
-        self.generated = 0
+        self.requests: dict[str, RequestState] = {}  # unfinished requests by id
+        self._routes: dict[str, tuple[RequestState, int]] = {}  # child id -> (state, index)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-        """Track a request; returns its engine requests (one per sequence, `n` in all)."""
-        state = RequestState.create(request_id, prompt, prompt_token_ids, params,
-                                    self.tokenizer)
-        self.requests[request_id] = state
+    def add_request(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
         for i, child_id in enumerate(state.child_ids):
-            self.sequence_of[child_id] = (state, i)
-        self.unfinished += params.n
-        self.bar.total += 1
-        self.bar.refresh()
-        return [(c, s.params) for c, s in zip(state.child_ids, state.sequences)]
+            self._routes[child_id] = (state, i)
 
-    @property
-    def done(self) -> bool:
-        return self.unfinished == 0
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
 
-    def unfinished_ids(self) -> list[str]:
-        return list(self.sequence_of)
+    def unfinished_child_ids(self) -> list[str]:
+        return list(self._routes)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        aborts = []
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        stats: IterationStats | None = None) -> ProcessedOutputs:
+        """Apply a batch of engine outputs; with `stats`, also account latencies, token
+        counts and finish reasons in it."""
+        result = ProcessedOutputs()
         for out in outputs:
-            if out.request_id not in self.sequence_of:
-                continue  # e.g. the abort echo of a sequence a stop string already ended
-            state, index = self.sequence_of[out.request_id]
-            self.generated += len(out.new_token_ids)
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # aborted here already, or the echo of a stop-string abort
+            state, index = route
+            if stats is not None:
+                _account(state, out, stats)
             if state.update(index, out, self.tokenizer):
-                aborts.append(out.request_id)
-            if state.sequences[index].output.finished():
-                del self.sequence_of[out.request_id]
-                self._finished_one(state)
-        return aborts
+                result.aborts.append(out.request_id)
+            result.updated.append(state)
+            sequence = state.sequences[index].output
+            if not sequence.finished():
+                continue
+            del self._routes[out.request_id]
+            if stats is not None:
+                stats.finished_reasons.append(sequence.finish_reason)
+            if state.finished:
+                del self.requests[state.request_id]
+                result.finished.append(state)
+                if stats is not None:
+                    _finished(state, stats)
+        return result
 
-    def _finished_one(self, state: RequestState) -> None:
-        self.unfinished -= 1
-        if state.finished:
-            self.bar.update(1)
-            elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
-            self.bar.set_postfix_str(f"{self.generated / elapsed:.0f} output toks/s",
-                                     refresh=False)
-        if self.unfinished == 0:
-            self.bar.close()
+    def abort_request(self, request_id: str, stats: IterationStats | None = None
+                      ) -> list[str]:
+        """Finish the request here ("abort"); returns its children the engine still runs
+        (empty for an unknown or finished id)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        children = state.unfinished_child_ids()
+        for child_id in state.child_ids:
+            self._routes.pop(child_id, None)
+        state.finish_all("abort")
+        if stats is not None:
+            stats.finished_reasons += ["abort"] * len(children)
+            _finished(state, stats)
+        return children
 
-    def results(self) -> list[RequestOutput]:
-        return [state.output() for state in self.requests.values()]
+    def abort_all(self) -> list[str]:
+        """Abort every request; returns the children the engine still runs."""
+        return [child for request_id in list(self.requests)
+                for child in self.abort_request(request_id)]
+
+    def drop_all(self) -> list[RequestState]:
+        """Forget every request (the engine died); returns their states."""
+        states = list(self.requests.values())
+        self.requests, self._routes = {}, {}
+        return states
+
+
+def _account(state: RequestState, out: EngineCoreOutput, stats: IterationStats) -> None:
+    """Queue time on the first scheduled output; TTFT (and the prompt's tokens) on the first
+    output with tokens, an inter-token latency on each later one."""
+    times, n = state.times, len(out.new_token_ids)
+    if out.scheduled_time is not None and times.queued_s is None:
+        times.queued_s = max(0.0, out.scheduled_time - times.arrival)
+    if not n:
+        return
+    stats.num_generation_tokens += n
+    if times.first_token is None:
+        times.first_token = stats.time
+        stats.num_prompt_tokens += len(state.prompt_token_ids)
+        stats.ttfts_s.append(stats.time - times.arrival)
+    elif times.last_token is not None:
+        stats.itls_s.append(stats.time - times.last_token)
+    times.last_token = stats.time
+
+
+def _finished(state: RequestState, stats: IterationStats) -> None:
+    times = state.times
+    reason = state.sequences[0].output.finish_reason or "abort"
+    stats.finished.append(FinishedRequest(reason, stats.time - times.arrival, times.queued_s))

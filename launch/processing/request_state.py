@@ -1,7 +1,8 @@
 """One request in the front-end: its n sequences, their text, stop strings and logprobs.
 
-Both `LLM` (through `RequestTracker`) and `AsyncLLM` keep one `RequestState` per request and
-feed it the engine's outputs; it turns them into `RequestOutput`s, cumulative or as deltas.
+Both `LLM` and `AsyncLLM` keep one `RequestState` per request, which their shared
+`OutputProcessor` feeds the engine's outputs; it turns them into `RequestOutput`s, cumulative
+or as deltas.
 """
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ class RequestState:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams, tokenizer: Any | None) -> RequestState:
+               params: SamplingParams, tokenizer: Any | None,
+               arrival: float | None = None) -> RequestState:
         """n sequences, each its own engine request: `request_id` itself when n == 1, else
         `{i}_{request_id}` with seed + i (so each sequence samples differently)."""
-        state = cls(request_id, prompt, prompt_token_ids)
+        state = cls(request_id, prompt, prompt_token_ids,
+                    times=RequestTimes(time.time() if arrival is None else arrival))
         for i in range(params.n):
             child = params if params.n == 1 else msgspec.structs.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)

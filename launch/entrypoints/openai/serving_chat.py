@@ -1,15 +1,13 @@
 """`POST /v1/chat/completions`: messages rendered with the chat template, whole or streamed."""
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from launch.async_llm import AsyncLLM, ProcessedInput
+from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -33,24 +31,8 @@ from launch.entrypoints.openai.serving_engine import (
 from launch.errors import EngineDeadError
 from launch.outputs import CompletionOutput, RequestOutputKind
 from launch.processing.chat_template import ChatTemplate, ChatTemplateError
+from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
-
-
-def load_chat_template(model_dir: str, path: str | None) -> ChatTemplate | None:
-    """`--chat-template FILE` if given, else the model's own, else None (chat then answers
-    400). The special tokens a template may name come from the model's tokenizer config."""
-    if path is None:
-        try:
-            return ChatTemplate.from_model_dir(model_dir)
-        except ChatTemplateError:
-            return None
-    with open(path) as f:
-        source = f.read()
-    config_path = os.path.join(model_dir, "tokenizer_config.json")
-    config = json.load(open(config_path)) if os.path.isfile(config_path) else {}
-    tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
-              if k.endswith("_token") and isinstance(v, (str, dict))}
-    return ChatTemplate(source, {k: v for k, v in tokens.items() if isinstance(v, str)})
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from launch.async_llm import ProcessedInput
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.protocol import (
     MAX_SEQUENCES,
@@ -30,6 +29,7 @@ from launch.entrypoints.openai.serving_engine import (
 )
 from launch.errors import EngineDeadError
 from launch.outputs import CompletionOutput, RequestOutputKind
+from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 
 

@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request, Response
 
-from launch.async_llm import AsyncLLM, ProcessedInput
+from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
+from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 
 T = TypeVar("T")

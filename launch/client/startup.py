@@ -1,0 +1,32 @@
+"""Starting an engine for the front-end: resolve the model, spawn the engine core (which
+starts the workers), load the tokenizer meanwhile, wait until the engine is ready."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from launch.client.engine_client import EngineClient
+from launch.model_cache.cache import resolve_model
+from launch.processing.input_processor import InputProcessor
+from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
+from protocol import EngineConfig
+
+
+def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient, InputProcessor]:
+    """The running engine for `model` and the engine options in `engine_args` (the fields of
+    `EngineConfig`), and the input processor that validates requests against it."""
+    model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
+    if not os.path.isdir(model):
+        raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
+                         "(nothing is downloaded from a model hub)")
+    config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
+    engine = EngineClient(config)  # the processes start while we load the tokenizer
+    try:
+        tokenizer = load_tokenizer(config.model)
+        stop_token_ids = stop_token_ids_of(config.model, tokenizer)
+        ready = engine.wait_ready()
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
+                                  config.max_logprobs)
