@@ -31,7 +31,7 @@ from launch.processing.input_processor import ProcessedInput, PromptType
 from launch.processing.output_processor import OutputProcessor
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
-from protocol import EngineCoreOutput, SamplingParams
+from protocol import EngineCoreOutput, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("deltaserve")
 
@@ -175,6 +175,9 @@ class AsyncLLM:
         streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             stream.fail(error)
+        # The engine holds nothing any more: gauges read zero, not its last busy report.
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats()))
 
     def shutdown(self) -> None:
         """Fail pending streams, stop the output handler and every engine process."""

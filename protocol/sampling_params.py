@@ -5,6 +5,13 @@ from protocol.wire_struct import WireStruct
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
+# Stop strings are matched in the front-end on every new piece of text of every sequence, so
+# their number and total length are bounded (OpenAI's API allows 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 16384
+MAX_STOP_TOKEN_IDS = 1024
+# The engine computes in float32: a float parameter must be finite there.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class SamplingParams(WireStruct):
@@ -38,6 +45,8 @@ class SamplingParams(WireStruct):
             self.stop = [self.stop]
         _check_types(self)
         _check_ranges(self)
+        _to_floats(self)
+        _check_sizes(self)
 
     @property
     def greedy(self) -> bool:
@@ -68,16 +77,44 @@ def _check_types(p: SamplingParams) -> None:
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         _expect(name, getattr(p, name), bool)
     if p.stop is not None and not all(isinstance(s, str) and s for s in p.stop):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {p.stop!r}")
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(p.stop)}")
     if p.stop_token_ids is not None and not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be non-negative ints, got {p.stop_token_ids!r}")
+        raise ValueError(f"stop_token_ids must be non-negative ints, got {_short(p.stop_token_ids)}")
+
+
+def _to_floats(p: SamplingParams) -> None:
+    """Float fields given as ints become floats (an int too large for a float, or for the
+    wire, is refused here rather than when the request is sent)."""
+    for name in _FLOAT_FIELDS:
+        value = getattr(p, name)
+        if type(value) is int and not -_INT64 <= value < 2 * _INT64:
+            raise ValueError(f"{name} must be a finite float32 number, got {_short(value)}")
+        as_float = float(value)
+        if not -FLOAT32_MAX <= as_float <= FLOAT32_MAX:  # also refuses NaN
+            raise ValueError(f"{name} must be a finite float32 number, got {_short(value)}")
+        if type(value) is not float:
+            setattr(p, name, as_float)
+
+
+def _check_sizes(p: SamplingParams) -> None:
+    if p.stop is not None:
+        if len(p.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, "
+                             f"got {len(p.stop)}")
+        chars = sum(len(s) for s in p.stop)
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop must total at most {MAX_STOP_CHARS} characters, "
+                             f"got {chars}")
+    if p.stop_token_ids is not None and len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                         f"got {len(p.stop_token_ids)}")
 
 
 def _expect(name: str, value: object, kind: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         raise ValueError(f"{name} must be of type {getattr(kind, '__name__', 'number')}, "
-                         f"got {value!r}")
+                         f"got {_short(value)}")
 
 
 def _check_ranges(p: SamplingParams) -> None:
@@ -100,4 +137,12 @@ def _check_ranges(p: SamplingParams) -> None:
               if (value := getattr(p, name)) is not None)
     for name, ok, expected in rules:
         if not ok:
-            raise ValueError(f"{name} must be {expected}, got {getattr(p, name)!r}")
+            raise ValueError(f"{name} must be {expected}, got {_short(getattr(p, name))}")
+
+
+def _short(value: object) -> str:
+    """A value for an error message: huge ints and long strings abbreviated."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"

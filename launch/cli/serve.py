@@ -16,6 +16,7 @@ import sys
 from types import FrameType
 
 from launch.cli.engine_args import add_engine_args, engine_kwargs
+from launch.entrypoints.openai.http_limits import HttpLimits, bounded_h11_protocol
 from launch.errors import EngineDeadError
 
 logger = logging.getLogger("deltaserve")
@@ -28,13 +29,69 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name",
                         help="the model name clients use (default: the model directory's name)")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes "
-                        "(default: $DELTASERVE_API_KEY)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
+                        "but /health, /version and /metrics (prefer $DELTASERVE_API_KEY or "
+                        "--api-key-file: a flag's value is visible to every local user in ps)")
+    parser.add_argument("--api-key-file", help="read the API key from this file (first line)")
     parser.add_argument("--chat-template", help="a Jinja chat template file, for a model "
                         "without one or to override its own")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    _add_http_limit_args(parser)
     add_engine_args(parser)
+
+
+def _add_http_limit_args(parser: argparse.ArgumentParser) -> None:
+    d = HttpLimits()
+    group = parser.add_argument_group("HTTP limits")
+    group.add_argument("--h11-max-incomplete-event-size", type=int,
+                       default=d.max_incomplete_event_size,
+                       help="the most bytes of one request's line and headers (default "
+                            "%(default)s); more is answered 400 and the connection closed")
+    group.add_argument("--h11-max-header-count", type=int, default=d.max_header_count,
+                       help="the most headers of one request (default %(default)s; 431 above)")
+    group.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                       help="open connections (or requests) before new requests are answered "
+                            "503 (default %(default)s)")
+    group.add_argument("--timeout-keep-alive", type=int, default=d.timeout_keep_alive_s,
+                       help="seconds an idle keep-alive connection stays open (default "
+                            "%(default)s)")
+    group.add_argument("--request-header-timeout", type=float, default=d.header_timeout_s,
+                       help="seconds for a request's headers to arrive once a connection is "
+                            "open or idle (default %(default)s); the connection is closed "
+                            "after")
+    group.add_argument("--request-body-timeout", type=float, default=d.body_timeout_s,
+                       help="seconds for a request's body to arrive (default %(default)s; 408 "
+                            "after)")
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    limits = HttpLimits(args.h11_max_incomplete_event_size, args.h11_max_header_count,
+                        args.request_header_timeout, args.request_body_timeout,
+                        args.limit_concurrency, args.timeout_keep_alive)
+    for flag, value in (("--h11-max-incomplete-event-size", limits.max_incomplete_event_size),
+                        ("--h11-max-header-count", limits.max_header_count),
+                        ("--request-header-timeout", limits.header_timeout_s),
+                        ("--request-body-timeout", limits.body_timeout_s),
+                        ("--limit-concurrency", limits.limit_concurrency),
+                        ("--timeout-keep-alive", limits.timeout_keep_alive_s)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    return limits
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $DELTASERVE_API_KEY."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file!r}: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file!r} holds no key")
+        return key
+    return args.api_key or os.environ.get("DELTASERVE_API_KEY") or None
 
 
 def _graceful_server(config, on_exit):
@@ -74,7 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    api_key = args.api_key or os.environ.get("DELTASERVE_API_KEY") or None
+    api_key = api_key_of(args)
+    limits = http_limits(args)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
     previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
@@ -82,11 +140,14 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
-        app = build_app(engine, name, api_key=api_key, metrics=metrics,
+        app = build_app(engine, name, api_key=api_key, metrics=metrics, limits=limits,
                         chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
-                                timeout_keep_alive=5)
+                                http=bounded_h11_protocol(limits),
+                                h11_max_incomplete_event_size=limits.max_incomplete_event_size,
+                                limit_concurrency=limits.limit_concurrency,
+                                timeout_keep_alive=limits.timeout_keep_alive_s)
         loop_of: dict[str, asyncio.AbstractEventLoop] = {}
         shutting_down = EngineDeadError("the server is shutting down", "front-end")
 

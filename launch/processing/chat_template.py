@@ -59,6 +59,10 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **values)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                ArithmeticError, RecursionError) as e:  # the template's own code failed
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(e).__name__}: {e}") from e
 
 
 def _environment() -> Any:

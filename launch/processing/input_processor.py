@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from launch.processing.tokenizer import max_token_chars
 from protocol import (
     AddRequest,
     Channel,
@@ -49,6 +50,9 @@ class InputProcessor:
         self.model = model
         self.max_logprobs = max_logprobs
         self._codec = Codec(Channel.FRONTEND_TO_CORE)
+        # A text longer than this cannot tokenize into max_model_len tokens (unless the
+        # tokenizer's normalizer drops characters): it is refused before tokenizing.
+        self.max_prompt_chars = ready.max_model_len * max_token_chars(tokenizer)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True
                  ) -> tuple[str | None, list[int]]:
@@ -66,6 +70,11 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError(f"the model directory {self.model!r} has no tokenizer; "
                              "pass {'prompt_token_ids': [...]} instead of text")
+        if len(prompt) > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {len(prompt)} characters, more than "
+                             f"max_model_len={self.ready.max_model_len} tokens can hold "
+                             f"({self.max_prompt_chars} characters: max_model_len x the "
+                             "longest token)")
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -100,6 +109,8 @@ class InputProcessor:
         """The request exactly as the engine core will decode it."""
         if type(priority) is not int or not -(1 << 63) <= priority < 1 << 63:
             raise ValueError(f"priority must be a 64-bit int, got {priority!r}")
+        if params.stop:  # matched here, in the front-end: the engine never needs them
+            params = msgspec.structs.replace(params, stop=None)
         request = AddRequest(request_id, token_ids, params, arrival_time, priority,
                              self.eos_token_id)
         try:

@@ -57,12 +57,12 @@ class RequestState:
                params: SamplingParams, tokenizer: Any | None,
                arrival: float | None = None) -> RequestState:
         """n sequences, each its own engine request: `request_id` itself when n == 1, else
-        `{i}_{request_id}` with seed + i (so each sequence samples differently)."""
+        `{i}_{request_id}` with `child_seed(seed, i)` (so each sequence samples differently)."""
         state = cls(request_id, prompt, prompt_token_ids,
                     times=RequestTimes(time.time() if arrival is None else arrival))
         for i in range(params.n):
             child = params if params.n == 1 else msgspec.structs.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+                params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
             detok = None if tokenizer is None else IncrementalDetokenizer(
                 tokenizer, prompt_token_ids, params.skip_special_tokens)
             state.sequences.append(_Sequence(CompletionOutput(i, "", []), child, detok))
@@ -124,6 +124,12 @@ class RequestState:
             outputs = [s.output for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.finished, self.num_cached_tokens)
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Sequence `index` of an n > 1 request samples with `seed + index`, wrapped around into
+    the signed 64-bit range the engine takes (so 2**63 - 1 is followed by -2**63)."""
+    return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _take_delta(seq: _Sequence) -> CompletionOutput:

@@ -31,6 +31,9 @@ class JsonTokenizer:
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
 
 def load_tokenizer(model_dir: str) -> Any | None:
     """The directory's tokenizer (`AutoTokenizer`, or `JsonTokenizer` when that is all it
@@ -45,6 +48,15 @@ def load_tokenizer(model_dir: str) -> Any | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def max_token_chars(tokenizer: Any | None) -> int:
+    """The longest vocabulary entry, in characters: a bound on the text one token stands for
+    (byte-level BPE and SentencePiece entries spell at least as many characters as they decode
+    to). 1 without a tokenizer (token-id prompts only)."""
+    if tokenizer is None:
+        return 1
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 def stop_token_ids_of(model_dir: str, tokenizer: Any | None) -> list[int]:

@@ -2,12 +2,14 @@
 
 Routes: GET /health, /v1/models, /version, /metrics; POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize. Every error is OpenAI's JSON shape; with an API
-key, every /v1 route wants `Authorization: Bearer KEY`.
+key, every route but the OPEN_PATHS (vLLM's health and monitoring routes) wants
+`Authorization: Bearer KEY`.
 """
 from __future__ import annotations
 
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
@@ -20,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.http_limits import HeaderCountMiddleware, HttpLimits
 from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, read_body
 from launch.entrypoints.openai.serving_chat import OpenAIServingChat
 from launch.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -27,16 +30,20 @@ from launch.entrypoints.openai.serving_engine import json_response
 from launch.metrics.prometheus import PrometheusStatLogger
 from launch.processing.chat_template import ChatTemplate
 
+# Answered without an API key: what load balancers and monitoring read.
+OPEN_PATHS = ("/health", "/version", "/metrics")
+
 
 class APIKeyMiddleware:
-    """401 for a /v1 request without `Authorization: Bearer <key>` (constant-time compare)."""
+    """401 for a request outside OPEN_PATHS without `Authorization: Bearer <key>`
+    (constant-time compare)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 response = APIError(401, "a valid API key is required "
@@ -48,22 +55,28 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               chat_template: ChatTemplate | None = None,
-              metrics: PrometheusStatLogger | None = None, owns_engine: bool = True) -> FastAPI:
+              metrics: PrometheusStatLogger | None = None, owns_engine: bool = True,
+              limits: HttpLimits = HttpLimits()) -> FastAPI:
     """The app serving `engine`; with `owns_engine`, its shutdown stops the engine."""
+    inputs = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-inputs")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
+        inputs.shutdown(wait=False, cancel_futures=True)
         if owns_engine:
             engine.shutdown()
 
     app = FastAPI(title="deltaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.state.body_timeout_s = limits.body_timeout_s
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HeaderCountMiddleware, max_header_count=limits.max_header_count)
     _error_handlers(app)
-    completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, chat_template)
+    completions = OpenAIServingCompletion(engine, served_model_name, inputs)
+    chat = OpenAIServingChat(engine, served_model_name, inputs, chat_template)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/chat/completions")(chat.create)
     _info_routes(app, engine, served_model_name, metrics)
@@ -128,11 +141,19 @@ def _tokenizer_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -
         chat.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
-        if body.messages is not None:
-            ids = tokenizer().encode(chat.render(body.messages, body.add_generation_prompt),
-                                     add_special_tokens=False)
-        else:
-            ids = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        limit = engine.inputs.max_prompt_chars
+        if body.prompt is not None and len(body.prompt) > limit:
+            raise APIError(400, f"the prompt has {len(body.prompt)} characters, more than "
+                           f"max_model_len={engine.max_model_len} tokens can hold ({limit})",
+                           "prompt")
+
+        def encode() -> list[int]:
+            if body.messages is not None:
+                return tokenizer().encode(chat.render(body.messages,
+                                                      body.add_generation_prompt),
+                                          add_special_tokens=False)
+            return tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await chat.off_loop(encode)
         return json_response({"count": len(ids), "max_model_len": engine.max_model_len,
                               "tokens": ids})
 
@@ -144,4 +165,8 @@ def _tokenizer_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens must be ids in [0, {vocab}), got {bad}", "tokens")
-        return json_response({"prompt": tokenizer().decode(body.tokens)})
+        if len(body.tokens) > engine.max_model_len:
+            raise APIError(400, f"at most max_model_len={engine.max_model_len} tokens, got "
+                           f"{len(body.tokens)}", "tokens")
+        text = await chat.off_loop(lambda: tokenizer().decode(body.tokens))
+        return json_response({"prompt": text})

@@ -6,9 +6,11 @@ import re
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 413: "invalid_request_error",
+          404: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 431: "invalid_request_error",
           500: "server_error", 503: "server_error"}
-_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large",
+_CODES = {401: "invalid_api_key", 404: "not_found", 408: "request_timeout",
+          413: "request_too_large", 431: "request_header_fields_too_large",
           503: "engine_unavailable"}
 _FIELD = re.compile(r"^([a-z_]+) must ")
 

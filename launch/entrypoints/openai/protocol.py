@@ -6,6 +6,7 @@ through the server as through `LLM`. Unknown fields are ignored, as OpenAI's API
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -15,6 +16,7 @@ from launch.entrypoints.openai.errors import APIError
 from protocol import SamplingParams
 
 MAX_BODY_BYTES = 16 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_SEQUENCES = 4096  # prompts x n in one request
 
@@ -85,18 +87,23 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
-    """The JSON body as `kind`; 413 past MAX_BODY_BYTES (counted as it arrives), 400 for
-    anything that is not a JSON object of the right shape."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    """The JSON body as `kind`; 413 past MAX_BODY_BYTES (counted as it arrives), 408 when it
+    has not arrived within the server's body timeout, 400 for anything that is not a JSON
+    object of the right shape (invalid UTF-8 included)."""
     try:
-        return msgspec.json.decode(b"".join(chunks), type=kind)
+        length = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise APIError(400, "the Content-Length header is not a number") from None
+    if length > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    timeout_s = getattr(request.app.state, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await _read_capped(request)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    try:
+        return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:
         where = str(e).partition(" - at `$.")[2]
         param = where.rstrip("`").split(".")[0].split("[")[0] or None
@@ -105,6 +112,19 @@ async def read_body(request: Request, kind: type[msgspec.Struct]) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    except UnicodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e.reason} at byte "
+                       f"{getattr(e, 'start', '?')}") from None
+
+
+async def _read_capped(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import Request, Response
@@ -19,7 +20,6 @@ from launch.entrypoints.openai.protocol import (
 from launch.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
-    json_response,
     merge,
     now,
     request_id,
@@ -28,17 +28,16 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
-from launch.errors import EngineDeadError
-from launch.outputs import CompletionOutput, RequestOutputKind
+from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.chat_template import ChatTemplate, ChatTemplateError
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, served_model_name: str,
+    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor,
                  template: ChatTemplate | None) -> None:
-        super().__init__(engine, served_model_name)
+        super().__init__(engine, served_model_name, input_executor)
         self.template = template
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
@@ -48,8 +47,14 @@ class OpenAIServingChat(OpenAIServing):
                            "with --chat-template FILE", "messages")
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
+        dicts = message_dicts(messages)
+        chars = sum(len(m["content"] or "") for m in dicts)
+        if chars > self.engine.inputs.max_prompt_chars:
+            raise APIError(400, f"the messages hold {chars} characters, more than a prompt of "
+                           f"max_model_len={self.engine.max_model_len} tokens can "
+                           f"({self.engine.inputs.max_prompt_chars})", "messages")
         try:
-            return self.template.render(message_dicts(messages), add_generation_prompt)
+            return self.template.render(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -63,14 +68,20 @@ class OpenAIServingChat(OpenAIServing):
                       else body.max_tokens)
         params = sampling_params(body, {"max_tokens": max_tokens},
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        prompt = self.render(body.messages, body.add_generation_prompt)
-        inputs = [self.process(prompt, params, add_special_tokens=False)]
+        inputs = await self.off_loop(lambda: [self.process(
+            self.render(body.messages, body.add_generation_prompt), params,
+            add_special_tokens=False)])
+        self.check_budget(inputs)
         rid = request_id("chatcmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is
             return StreamingResponse(self._stream(rid, body, inputs[0]),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         (out,) = await until_disconnected(raw, self.collect(streams))
+        return await self.respond(inputs, lambda: self._response(rid, body, out))
+
+    def _response(self, rid: str, body: ChatCompletionRequest, out: RequestOutput
+                  ) -> dict[str, Any]:
         choices = [{"index": seq.index,
                     "message": {"role": "assistant", "content": seq.text},
                     "logprobs": chat_logprobs(seq, body.top_logprobs or 0)
@@ -78,12 +89,11 @@ class OpenAIServingChat(OpenAIServing):
                     "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
                     **({"token_ids": seq.token_ids} if body.return_token_ids else {})}
                    for seq in out.outputs]
-        return json_response({
-            "id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
-            "choices": choices,
-            **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
-            "usage": usage(len(out.prompt_token_ids),
-                           sum(len(s.token_ids) for s in out.outputs))})
+        return {"id": rid, "object": "chat.completion", "created": now(),
+                "model": self.model_name, "choices": choices,
+                **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
+                "usage": usage(len(out.prompt_token_ids),
+                               sum(len(s.token_ids) for s in out.outputs))}
 
     async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput
                       ) -> AsyncIterator[bytes]:
@@ -114,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
                            "model": self.model_name, "choices": [],
                            "usage": usage(len(inputs.prompt_token_ids), generated)})
             yield SSE_DONE
-        except (EngineDeadError, APIError) as e:
+        except Exception as e:  # every refusal or failure: an error event, then [DONE]
             yield stream_error(e)
             yield SSE_DONE
         finally:

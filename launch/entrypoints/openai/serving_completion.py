@@ -18,7 +18,6 @@ from launch.entrypoints.openai.protocol import (
 from launch.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
-    json_response,
     merge,
     now,
     request_id,
@@ -27,8 +26,7 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
-from launch.errors import EngineDeadError
-from launch.outputs import CompletionOutput, RequestOutputKind
+from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 
@@ -46,28 +44,32 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * params.n > MAX_SEQUENCES:
             raise APIError(400, f"at most {MAX_SEQUENCES} sequences (prompts x n) per request, "
                            f"got {len(prompts) * params.n}", "n")
-        inputs = [self.process(p, params) for p in prompts]
+        inputs = await self.off_loop(lambda: [self.process(p, params) for p in prompts])
+        self.check_budget(inputs)
         rid = request_id("cmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is
             return StreamingResponse(self._stream(rid, body, inputs),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         outputs = await until_disconnected(raw, self.collect(streams))
-        choices, generated = [], 0
+        return await self.respond(inputs, lambda: self._response(rid, body, inputs, outputs))
+
+    def _response(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput],
+                  outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices, generated, n = [], 0, inputs[0].params.n
         for i, out in enumerate(outputs):
             echo = self._prompt_text(inputs[i]) if body.echo else ""
             for seq in out.outputs:
                 generated += len(seq.token_ids)
-                choice = self._choice(i * params.n + seq.index, echo + seq.text, seq,
-                                      body.logprobs, len(echo))
+                choice = self._choice(i * n + seq.index, echo + seq.text, seq, body.logprobs,
+                                      len(echo))
                 if body.return_token_ids:
                     choice.update(token_ids=seq.token_ids,
                                   prompt_token_ids=inputs[i].prompt_token_ids)
                 choices.append(choice)
-        return json_response({
-            "id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
-            "choices": choices,
-            "usage": usage(sum(len(p.prompt_token_ids) for p in inputs), generated)})
+        return {"id": rid, "object": "text_completion", "created": now(),
+                "model": self.model_name, "choices": choices,
+                "usage": usage(sum(len(p.prompt_token_ids) for p in inputs), generated)}
 
     async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput]
                       ) -> AsyncIterator[bytes]:
@@ -100,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
                            "usage": usage(sum(len(p.prompt_token_ids) for p in inputs),
                                           generated)})
             yield SSE_DONE
-        except (EngineDeadError, APIError) as e:
+        except Exception as e:  # every refusal or failure: an error event, then [DONE]
             yield stream_error(e)
             yield SSE_DONE
         finally:

@@ -1,11 +1,19 @@
-"""What the completion and chat routes share: the engine, model names, submitting a request's
-prompts, merging their streams, server-sent events and client disconnects."""
+"""What the completion and chat routes share: the engine, model names, preparing and bounding a
+request's prompts, submitting them, merging their streams, server-sent events and client
+disconnects.
+
+Work that grows with a request's size runs off the event loop, so one large request never
+stalls the other streams: tokenizing and chat-template rendering on one input thread (in
+arrival order), building and encoding a large response on the loop's default executor. What
+a request may cost is bounded before any of it starts (`check_budget`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,14 +26,23 @@ from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 
+logger = logging.getLogger("deltaserve")
 T = TypeVar("T")
 _END = object()
+# Per request (all prompts x n): the most output tokens it may ask for, and the most logprob
+# entries (tokens x (1 + logprobs)) its response may carry (~28 bytes of JSON each).
+MAX_RESPONSE_TOKENS = 1 << 22
+MAX_LOGPROB_ENTRIES = 1 << 20
+# A response expected to carry more entries than this is built off the event loop.
+LARGE_RESPONSE_ENTRIES = 1 << 14
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor
+                 ) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        self.input_executor = input_executor  # one thread: tokenizing and templates
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -42,6 +59,44 @@ class OpenAIServing:
             return self.engine.process_inputs(prompt, params, add_special_tokens)
         except ValueError as e:
             raise APIError.bad_request(e) from None
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work()` on the input thread (tokenizing, rendering: proportional to the input)."""
+        return await asyncio.get_running_loop().run_in_executor(self.input_executor, work)
+
+    def check_budget(self, inputs: list[ProcessedInput]) -> None:
+        """400 for a request whose output could not fit the model or whose response would be
+        larger than the server builds (vLLM's rule for max_tokens)."""
+        limit = self.engine.max_model_len
+        tokens = entries = 0
+        for p in inputs:
+            prompt_len, wanted = len(p.prompt_token_ids), p.params.max_tokens
+            if prompt_len + wanted > limit:
+                raise APIError(400, f"max_tokens is too large: {wanted}. This model's maximum "
+                               f"context length is {limit} tokens and your request has "
+                               f"{prompt_len} input tokens ({wanted} > {limit} - "
+                               f"{prompt_len})", "max_tokens")
+            tokens += wanted * p.params.n
+            entries += wanted * p.params.n * (1 + (p.params.logprobs or 0)
+                                              if p.params.logprobs is not None else 0)
+        if tokens > MAX_RESPONSE_TOKENS:
+            raise APIError(400, f"the request asks for up to {tokens} output tokens (prompts x "
+                           f"n x max_tokens); this server answers at most "
+                           f"{MAX_RESPONSE_TOKENS}", "max_tokens")
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"the request asks for up to {entries} logprob entries "
+                           f"(prompts x n x max_tokens x (1 + logprobs)); this server answers "
+                           f"at most {MAX_LOGPROB_ENTRIES}", "logprobs")
+
+    async def respond(self, inputs: list[ProcessedInput], build: Callable[[], Any]
+                      ) -> Response:
+        """The JSON response `build()` makes; built and encoded off the event loop when it
+        may be large."""
+        def run() -> Response:
+            return json_response(build())
+        if _expected_entries(inputs) <= LARGE_RESPONSE_ENTRIES:
+            return run()
+        return await asyncio.to_thread(run)
 
     def submit(self, request_id: str, inputs: list[ProcessedInput],
                kind: RequestOutputKind) -> list[RequestStream]:
@@ -157,7 +212,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def stream_error(error: BaseException) -> bytes:
+    """The error event that ends a stream (then `[DONE]`): never a dropped connection."""
     if isinstance(error, APIError):
         return sse(error.body())
-    status = 503 if isinstance(error, EngineDeadError) else 500
-    return sse(APIError(status, f"the stream ended early: {error}").body())
+    if isinstance(error, ValueError):
+        return sse(APIError.bad_request(error).body())
+    if isinstance(error, EngineDeadError):
+        return sse(APIError(503, f"the stream ended early: {error}").body())
+    logger.error("a stream failed", exc_info=error)
+    return sse(APIError(500, f"the stream ended early: internal error {error!r}").body())
+
+
+def _expected_entries(inputs: list[ProcessedInput]) -> int:
+    return sum(p.params.max_tokens * p.params.n * (2 + (p.params.logprobs or 0))
+               for p in inputs)
