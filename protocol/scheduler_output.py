@@ -18,6 +18,13 @@ from protocol.int_column import IntColumn
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
 
+# The largest step message a worker accepts (ZeroMQ refuses bigger frames before buffering
+# them). New requests travel in full, so the scheduler admits at most MAX_NEW_PROMPT_TOKENS
+# prompt tokens of new requests per step: each costs at most 5 bytes on the wire, and the
+# rest of a step (params, block ids, deltas) stays far below the remaining room.
+MAX_STEP_FRAME = 512 << 20
+MAX_NEW_PROMPT_TOKENS = MAX_STEP_FRAME // 16
+
 
 class NewRequestData(WireStruct):
     """A request scheduled for the first time: sent once, in full."""

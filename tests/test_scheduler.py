@@ -263,3 +263,19 @@ def test_update_ignores_partial_chunks_and_unknown_handles():
     _add(scheduler, make_requests(1, num_tokens=20))
     so = scheduler.schedule()
     assert scheduler.update_from_output(so, ModelRunnerOutput([0, 99], [[], [5]])) == []
+
+
+def test_new_prompts_per_step_fit_one_step_message(monkeypatch):
+    """Every new request's prompt travels in full in its first step: the step admits new
+    prompts only up to MAX_NEW_PROMPT_TOKENS (one always goes), so no step message can
+    outgrow what a worker accepts."""
+    monkeypatch.setattr("engine_core.sched.scheduler.MAX_NEW_PROMPT_TOKENS", 25)
+    scheduler = make_scheduler()
+    _add(scheduler, make_requests(5, num_tokens=10))
+    counts = []
+    while scheduler.waiting:
+        so = scheduler.schedule()
+        counts.append(len(so.scheduled_new_reqs))
+        scheduler.update_from_output(so, sample(so, scheduler))
+    assert counts == [2, 2, 1]
+    scheduler.check_integrity()

@@ -33,13 +33,11 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from protocol.scheduler_output import MAX_STEP_FRAME
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger("deltaserve")
-# The largest step message the engine core may send (every new request's whole prompt) is far
-# below this; a bigger frame is refused by ZeroMQ before it is buffered.
-MAX_STEP_FRAME = 512 << 20
 
 
 class WorkerProc:

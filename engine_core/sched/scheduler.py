@@ -18,7 +18,7 @@ from engine_core.sched.stop_check import append_tokens, check_stop
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
-from protocol.scheduler_output import SchedulerOutput
+from protocol.scheduler_output import MAX_NEW_PROMPT_TOKENS, SchedulerOutput
 
 
 class Scheduler:
@@ -39,6 +39,9 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
+        if self.max_model_len > MAX_NEW_PROMPT_TOKENS:
+            raise ValueError(f"max_model_len={self.max_model_len} is more than one step "
+                             f"message can carry ({MAX_NEW_PROMPT_TOKENS} prompt tokens)")
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
@@ -198,6 +201,8 @@ class Scheduler:
         while (len(self.waiting) and plan.budget > 0
                and len(self.running) < self.scheduler_config.max_num_seqs):
             request = self.waiting.peek()
+            if plan.new and plan.new_prompt_tokens + request.num_tokens > MAX_NEW_PROMPT_TOKENS:
+                break  # the step message carries every new prompt in full
             hits, num_hit = kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
             if 0 < self.long_prefill_token_threshold < n:

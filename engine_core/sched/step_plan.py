@@ -36,6 +36,7 @@ class StepPlan:
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     resumed: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    new_prompt_tokens: int = 0  # prompt tokens of `new`, all sent in this step's message
 
     def add_running(self, request: Request, num_tokens: int,
                     new_block_ids: list[int] | None) -> None:
@@ -76,6 +77,7 @@ class StepPlan:
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.new.append((request, num_tokens))
         self.budget -= num_tokens
+        self.new_prompt_tokens += request.num_prompt_tokens
 
     def drop(self, request: Request) -> None:
         """Undo a running request scheduled earlier in this step (it was just preempted).
