@@ -60,12 +60,13 @@ class LLM:
             for i, ((text, ids), sp) in enumerate(zip(inputs, resolved)):
                 state = RequestState.create(str(next(self._ids)), text, ids, sp, self.tokenizer,
                                             now)
-                self.output_processor.add_request(state)
-                states.append(state)
                 batch += [self.inputs.make_request(child_id, ids, seq.params, now,
                                                    priority[i] if priority else 0)
                           for child_id, seq in zip(state.child_ids, state.sequences)]
-            self.engine.add_requests(batch)
+                states.append(state)
+            self.engine.add_requests(batch)  # every request valid: now tracked, and sent
+            for state in states:
+                self.output_processor.add_request(state)
             try:
                 while self.output_processor.has_unfinished():
                     stats = IterationStats(time.time())
