@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from worker.layers.quantization.registry import QUANTIZATION_CONFIGS
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -38,6 +40,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on each query and key head before RoPE (Qwen3)
     dtype: torch.dtype
     eos_token_id: int | None
+    quantization: str  # QUANTIZATION_CONFIGS key: quantization_config's quant_method, or none
     hf: dict[str, Any] = field(repr=False, compare=False)
 
     @staticmethod
@@ -68,7 +71,8 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=_DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
                               torch.float32),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos, hf=hf)
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            quantization=_quantization(hf), hf=hf)
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         """`auto` means the checkpoint's dtype; otherwise one of float32/bfloat16/float16."""
@@ -110,6 +114,14 @@ def _check_values(arch: str, hf: dict[str, Any]) -> None:
     if hf["num_attention_heads"] % (hf.get("num_key_value_heads") or hf["num_attention_heads"]):
         raise UnsupportedModelError("num_attention_heads must be a multiple of "
                                     "num_key_value_heads")
+
+
+def _quantization(hf: dict[str, Any]) -> str:
+    name = (hf.get("quantization_config") or {}).get("quant_method", "none")
+    if name not in QUANTIZATION_CONFIGS:
+        raise UnsupportedModelError(f"unsupported quantization {name!r}; supported: "
+                                    f"{', '.join(QUANTIZATION_CONFIGS)}")
+    return name
 
 
 def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
