@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from worker.attention.backend import AttentionBackend
+from worker.attention.kv_cache_spec import KVCache, KVCacheSpec
 from worker.attention.metadata import AttentionMetadata
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.activation import silu_and_mul
@@ -15,8 +16,6 @@ from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) cache tensors
 
 
 class LlamaAttention(nn.Module):
@@ -154,3 +153,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, identical on every rank."""
         return self.lm_head.compute_logits(hidden)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One (key, value) pair per decoder layer, in the layers' compute dtype."""
+        layers = self.model.layers
+        attn = layers[0].self_attn
+        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim, layers[0].dtype)
