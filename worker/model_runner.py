@@ -7,7 +7,7 @@ from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
-from worker.device import resolve_compute_dtype
+from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
@@ -15,14 +15,6 @@ from worker.models.loader import load_model
 from worker.models.registry import load_model_config
 from worker.sample.sampler import Sampler
 from worker.step_inputs import prepare_step
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but no CUDA GPU is available")
-    return torch.device(device)
 
 
 class ModelRunner:
@@ -35,7 +27,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.tp = tp or TensorParallel()
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, self.tp.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)

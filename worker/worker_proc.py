@@ -8,7 +8,6 @@ import socket
 import sys
 import traceback
 
-import msgspec
 import torch
 import zmq
 
@@ -33,8 +32,9 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from worker.device import resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.model_runner import ModelRunner, resolve_device
+from worker.model_runner import ModelRunner
 
 logger = logging.getLogger("deltaserve")
 # The largest step message the engine core may send (every new request's whole prompt) is far
@@ -91,10 +91,7 @@ class WorkerProc:
     def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
         torch.set_num_threads(_num_threads(config.num_threads, world))
-        device = resolve_device(config.device)
-        if device.type == "cuda" and config.device in ("auto", "cuda"):
-            device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            config = msgspec.structs.replace(config, device=str(device))
+        device = resolve_device(config.device, self.rank)  # the ModelRunner's too
         tp = TensorParallel.initialize(self.rank, world, dist_init_method, device)
         runner = ModelRunner(config, tp)
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
