@@ -35,6 +35,7 @@ from protocol import (
 from worker.device import resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.model_runner import ModelRunner
+from worker.worker_args import add_worker_args
 
 logger = logging.getLogger("deltaserve")
 # The largest step message the engine core may send (every new request's whole prompt) is far
@@ -146,11 +147,13 @@ def _num_threads(configured: int | None, world: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaserve worker",
                                      description="Run one worker rank and join an engine.")
-    parser.add_argument("--connect", required=True, help="the engine core's worker address")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--worker-secret-file",
-                        help=f"the engine's worker secret (default: ${SECRET_ENV})")
-    args = parser.parse_args(argv)
+    add_worker_args(parser)
+    return run_worker(parser.parse_args(argv), parser)
+
+
+def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the rank that `args` (parsed with `add_worker_args`' flags) names until the engine
+    lets it go; `parser` reports a missing secret."""
     secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
               else secret_from_environment())
     if secret is None:
