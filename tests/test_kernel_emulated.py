@@ -149,7 +149,7 @@ def test_work_items_and_split_policy():
 
 
 def test_too_little_shared_memory_is_reported(monkeypatch):
-    import worker.kernel_attention as backend_module
+    import worker.attention.cuda.planner as backend_module
     original = backend_module.attention_smem_bytes
     monkeypatch.setattr(backend_module, "attention_smem_bytes", lambda *a: original(*a) - 16)
     with pytest.raises(KernelEmulationError, match="needs .* bytes of dynamic shared memory"):

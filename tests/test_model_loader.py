@@ -12,7 +12,8 @@ from test_model_runner import PROMPTS, generate
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.vocab_embedding import ParallelLMHead
-from worker.models.config import ModelConfig, UnsupportedModelError
+from worker.models.config import UnsupportedModelError
+from worker.models.registry import load_model_config
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
@@ -32,7 +33,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
 def test_low_precision_checkpoints(tmp_path, monkeypatch, dtype):
     monkeypatch.setenv("DELTASERVE_CPU_BF16", "1")  # as on a CPU with native half support
     path = make_tiny_model(str(tmp_path / "m"), "llama", dtype=dtype)
-    assert ModelConfig.from_pretrained(path).dtype == dtype
+    assert load_model_config(path).dtype == dtype
     ours, _ = generate(path, PROMPTS["mixed"][:3])  # float32 compute, like the reference
     assert_greedy_matches(ours, hf_greedy(path, PROMPTS["mixed"][:3], 10))
     from protocol import EngineConfig
@@ -62,7 +63,7 @@ def _write_config(tmp_path, **changes) -> str:
 def test_unsupported_configs_are_named(tmp_path, changes, message):
     path = _write_config(tmp_path, **changes)
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_pretrained(path)
+        load_model_config(path)
 
 
 def test_missing_and_unknown_weights(tmp_path):
@@ -83,7 +84,7 @@ def test_missing_and_unknown_weights(tmp_path):
     with pytest.raises(ValueError, match="model.extra.weight"):
         ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=4))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ModelConfig.from_pretrained(str(tmp_path))
+        load_model_config(str(tmp_path))
 
 
 def test_max_model_len_beyond_the_model_is_refused(tmp_path):

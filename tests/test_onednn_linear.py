@@ -74,6 +74,6 @@ def test_layers_pack_after_loading():
             layer.bias.data.normal_()
         x = torch.randn(5, 32)
         dense = layer(x)
-        layer.pack()
+        layer.quant_method.process_weights_after_loading(layer)
         assert layer.weight.is_mkldnn
         torch.testing.assert_close(layer(x), dense)

@@ -7,22 +7,24 @@ import torch
 
 from protocol import NewRequestData, SamplingParams
 from worker.input_batch import InputBatch
-from worker.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from worker.sample.logits_processors import apply_penalties
+from worker.sample.metadata import SamplingMetadata
+from worker.sample.sampler import Sampler, apply_top_k_top_p_min_p
 
 VOCAB = 50
 CPU = torch.device("cpu")
 
 
-def _batch(params: list[SamplingParams], outputs: list[list[int]] | None = None,
-           eos: int | None = None, prompt: tuple[int, ...] = (1, 2, 3)) -> tuple[InputBatch,
-                                                                               np.ndarray]:
-    """An InputBatch with one row per params, each holding `prompt` then its outputs."""
+def _metadata(params: list[SamplingParams], outputs: list[list[int]] | None = None,
+              eos: int | None = None, prompt: tuple[int, ...] = (1, 2, 3)) -> SamplingMetadata:
+    """The sampling metadata of an InputBatch with one row per params, each holding `prompt`
+    then its outputs."""
     batch = InputBatch(max_model_len=64, block_size=16, device=CPU)
     for i, p in enumerate(params):
         batch.add_request(NewRequestData(i, f"r{i}", list(prompt), p, [1], 0, eos))
         for token in (outputs[i] if outputs else []):
             batch.append_tokens(np.array([i]), [token])
-    return batch, np.arange(len(params))
+    return batch.sampling_metadata(np.arange(len(params)))
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -31,8 +33,8 @@ def _logits(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax():
     logits = _logits(4)
-    batch, rows = _batch([SamplingParams(temperature=0.0, seed=5)] * 4)
-    tokens, logprobs = Sampler(0, CPU).sample(logits, batch, rows)
+    metadata = _metadata([SamplingParams(temperature=0.0, seed=5)] * 4)
+    tokens, logprobs = Sampler(0, CPU).sample(logits, metadata)
     assert tokens == logits.argmax(-1).tolist() and logprobs is None
 
 
@@ -42,23 +44,23 @@ def test_seeded_requests_reproduce_across_runs_and_batches():
 
     def draw(global_seed: int, batch_size: int) -> list[int]:
         sampler = Sampler(global_seed, CPU)
-        batch, rows = _batch([seeded] + [SamplingParams()] * (batch_size - 1))
-        return [sampler.sample(logits.repeat(batch_size, 1), batch, rows)[0][0]
+        metadata = _metadata([seeded] + [SamplingParams()] * (batch_size - 1))
+        return [sampler.sample(logits.repeat(batch_size, 1), metadata)[0][0]
                 for _ in range(20)]
 
     first = draw(0, 1)
     assert first == draw(99, 3) == draw(7, 5)  # independent of the engine seed and the batch
     assert len(set(first)) >= 2  # really random, not argmax
     sampler = Sampler(0, CPU)
-    batch, rows = _batch([SamplingParams(temperature=1.0, seed=4321)])
-    assert [sampler.sample(logits, batch, rows)[0][0] for _ in range(20)] != first
+    metadata = _metadata([SamplingParams(temperature=1.0, seed=4321)])
+    assert [sampler.sample(logits, metadata)[0][0] for _ in range(20)] != first
 
 
 def test_unseeded_sampling_is_reproducible_for_the_same_engine_seed():
     logits = _logits(8)
-    batch, rows = _batch([SamplingParams(temperature=0.8)] * 8)
-    assert Sampler(3, CPU).sample(logits, batch, rows)[0] == \
-        Sampler(3, CPU).sample(logits, batch, rows)[0]
+    metadata = _metadata([SamplingParams(temperature=0.8)] * 8)
+    assert Sampler(3, CPU).sample(logits, metadata)[0] == \
+        Sampler(3, CPU).sample(logits, metadata)[0]
 
 
 @pytest.mark.parametrize("params", [
@@ -68,8 +70,8 @@ def test_unseeded_sampling_is_reproducible_for_the_same_engine_seed():
 def test_filters_never_sample_outside_their_set(params):
     logits = _logits(1, seed=11)[0]
     allowed = set(_allowed(logits / params.temperature, params))
-    batch, rows = _batch([params] * 2000)
-    tokens = Sampler(0, CPU).sample(logits.repeat(2000, 1), batch, rows)[0]
+    metadata = _metadata([params] * 2000)
+    tokens = Sampler(0, CPU).sample(logits.repeat(2000, 1), metadata)[0]
     assert set(tokens) <= allowed
     assert len(set(tokens)) > 1 or len(allowed) == 1  # sampling, not argmax
 
@@ -97,8 +99,8 @@ def _allowed(logits: torch.Tensor, p: SamplingParams) -> list[int]:
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     n = 6000
-    batch, rows = _batch([SamplingParams(temperature=1.0)] * n)
-    tokens = Sampler(0, CPU).sample(logits.repeat(n, 1), batch, rows)[0]
+    metadata = _metadata([SamplingParams(temperature=1.0)] * n)
+    tokens = Sampler(0, CPU).sample(logits.repeat(n, 1), metadata)[0]
     freq = np.bincount(tokens, minlength=4)[:4] / n
     expected = torch.softmax(logits[0, :4], -1).numpy()
     assert np.abs(freq - expected).max() < 0.03
@@ -117,10 +119,10 @@ def test_penalties_match_direct_computation():
     for t in set(output):
         want[t] -= 0.5 + 0.25 * output.count(t)
     torch.testing.assert_close(got, want)
-    batch, rows = _batch([SamplingParams(temperature=0.0, repetition_penalty=1.3,
+    metadata = _metadata([SamplingParams(temperature=0.0, repetition_penalty=1.3,
                                          presence_penalty=0.5, frequency_penalty=0.25)],
                          outputs=[output], prompt=tuple(prompt))
-    assert Sampler(0, CPU).sample(logits[None], batch, rows)[0] == [int(want.argmax())]
+    assert Sampler(0, CPU).sample(logits[None], metadata)[0] == [int(want.argmax())]
 
 
 def test_min_tokens_suppresses_stop_tokens():
@@ -129,16 +131,16 @@ def test_min_tokens_suppresses_stop_tokens():
     logits[0, 8] = 9.0  # a stop token would be next
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8])
     sampler = Sampler(0, CPU)
-    assert sampler.sample(logits, *_batch([params], [[5]], eos=7))[0] == [0]
-    assert sampler.sample(logits, *_batch([params], [[5, 5, 5]], eos=7))[0] == [7]
+    assert sampler.sample(logits, _metadata([params], [[5]], eos=7))[0] == [0]
+    assert sampler.sample(logits, _metadata([params], [[5, 5, 5]], eos=7))[0] == [7]
     ignore = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
-    assert sampler.sample(logits, *_batch([ignore], [[5]], eos=7))[0] == [7]
+    assert sampler.sample(logits, _metadata([ignore], [[5]], eos=7))[0] == [7]
 
 
 def test_logprobs_of_the_raw_distribution():
     logits = _logits(2, seed=9)
-    batch, rows = _batch([SamplingParams(temperature=0.0, logprobs=3), SamplingParams()])
-    tokens, logprobs = Sampler(0, CPU).sample(logits, batch, rows)
+    metadata = _metadata([SamplingParams(temperature=0.0, logprobs=3), SamplingParams()])
+    tokens, logprobs = Sampler(0, CPU).sample(logits, metadata)
     raw = torch.log_softmax(logits[0], -1)
     entry = logprobs[0]
     assert entry.token_ids[0] == tokens[0] and entry.rank == 1

@@ -56,7 +56,7 @@ def test_writes_new_kv_into_slots_and_skips_padding():
 
 
 def test_decode_groups_bound_memory(monkeypatch):
-    import worker.torch_attention as ta
+    import worker.attention.torch_backend as ta
     monkeypatch.setattr(ta, "_DECODE_GATHER_ELEMENTS", 1)  # one request per group
     case = make_case(SPECS["decode"], seed=5)
     torch.testing.assert_close(_run(case).double(), reference(case), atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
-"""The dtype a worker computes in: the requested one, unless this CPU lacks native half matmul.
+"""The device a worker rank runs on, and the dtype it computes in: the requested one, unless
+this CPU lacks native half matmul.
 
 Without AVX512_BF16/AMX-BF16 (bfloat16) or AVX512_FP16/AMX-FP16 (float16), torch's CPU matmul
 in that dtype is emulated and runs tens of times slower than float32, so the worker computes
@@ -55,6 +56,18 @@ def _cpuinfo_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    """`auto`: CUDA when available, else the CPU. `auto` or a bare `cuda` on CUDA: the GPU
+    `rank % device_count`, so local ranks spread over the GPUs; `cuda:N` or `cpu` as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but no CUDA GPU is available")
+    if device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(device)
 
 
 def resolve_compute_dtype(requested: torch.dtype, device: torch.device) -> torch.dtype:

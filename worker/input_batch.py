@@ -7,7 +7,9 @@ import numpy as np
 import torch
 
 from protocol.int_column import IntColumn
+from protocol.sampling_params import GREEDY_EPS
 from protocol.scheduler_output import NewRequestData, SchedulerOutput
+from worker.sample.metadata import SamplingMetadata
 from worker.sample.sampling_table import SamplingTable
 
 MAX_HANDLES = 1 << 20  # far above any live request count; bounds row_of_handle's size
@@ -157,6 +159,30 @@ class InputBatch:
     def prompt_and_output(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         n, p = int(self.num_tokens[row]), int(self.num_prompt_tokens[row])
         return self.token_ids[row, :p], self.token_ids[row, p:n]
+
+    # --- sampling ---------------------------------------------------------------------------
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's inputs for `rows` (the sampled requests' rows, in logits order): numpy
+        gathers, plus per-request Python only for non-greedy rows (their own generators) and
+        rows with penalties or below min_tokens."""
+        table = self.sampling
+        temperature = table.temperature[rows]
+        random = np.flatnonzero(temperature >= GREEDY_EPS)
+        penalized = np.flatnonzero(table.penalties[rows])
+        views = [self.prompt_and_output(int(rows[i])) for i in penalized]
+        below_min = np.flatnonzero(self.num_tokens[rows] - self.num_prompt_tokens[rows]
+                                   < table.min_tokens[rows])
+        return SamplingMetadata(
+            temperature=temperature, all_greedy=not len(random), top_k=table.top_k[rows],
+            top_p=table.top_p[rows], min_p=table.min_p[rows],
+            generators={i: generator for i in random.tolist()
+                        if (generator := table.generators[rows[i]]) is not None},
+            logprobs=table.logprobs[rows], penalized=penalized,
+            penalty_params=[table.params[rows[i]] for i in penalized],
+            prompt_tokens=[prompt for prompt, _ in views],
+            output_tokens=[output for _, output in views], below_min_tokens=below_min,
+            stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min])
 
 
 def as_array(column: IntColumn | list[int]) -> np.ndarray:

@@ -4,16 +4,10 @@ from __future__ import annotations
 import psutil
 import torch
 
-from worker.models.llama import KVCache
+from worker.attention.kv_cache_spec import KVCache, KVCacheSpec
 
 # Default CPU budget when none is given (vLLM's CPU backend also defaults to 4 GiB).
 _CPU_DEFAULT_BYTES = 4 << 30
-
-
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    """Key + value of every layer for one block of tokens."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def determine_num_blocks(block_bytes: int, device: torch.device, *, max_useful: int,
@@ -48,10 +42,11 @@ def _default_budget(device: torch.device, utilization: float, world_size: int) -
     return min(_CPU_DEFAULT_BYTES, available // (4 * world_size))
 
 
-def allocate_kv_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-    """Per layer a key and a value tensor [num_blocks, block_size, num_kv_heads, head_dim],
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int,
+                      device: torch.device) -> list[KVCache]:
+    """Per layer a key and a value tensor [num_blocks, block_size, num_kv_heads, head_size],
     zeroed so that no slot ever holds a non-finite value it did not compute."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    shape = spec.shape(num_blocks, block_size)
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
+             torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]

@@ -7,22 +7,14 @@ from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
-from worker.device import resolve_compute_dtype
+from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError
-from worker.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
-from worker.models.config import ModelConfig
+from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.models.loader import load_model
+from worker.models.registry import load_model_config
 from worker.sample.sampler import Sampler
 from worker.step_inputs import prepare_step
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but no CUDA GPU is available")
-    return torch.device(device)
 
 
 class ModelRunner:
@@ -35,10 +27,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.tp = tp or TensorParallel()
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, self.tp.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = load_model_config(config.model)
         # The dtype of weights, activations and KV cache (float32 on a CPU without native
         # support for the requested half dtype); residual stream and norms are float32.
         self.dtype = resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
@@ -48,12 +40,10 @@ class ModelRunner:
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len)
-        attn = self.model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
+        self.kv_cache_spec = self.model.kv_cache_spec()
         self.num_blocks = self._num_blocks()
-        self.kv_caches = allocate_kv_cache(self.num_blocks, self.model_config.num_hidden_layers,
-                                           self.block_size, self.num_kv_heads, self.head_dim,
-                                           self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
+                                           self.block_size, self.device)
         self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
                                       num_kv_blocks=self.num_blocks,
                                       vocab_size=self.model_config.vocab_size)
@@ -69,8 +59,7 @@ class ModelRunner:
         return wanted
 
     def _num_blocks(self) -> int:
-        block_bytes = bytes_per_block(self.model_config.num_hidden_layers, self.block_size,
-                                      self.num_kv_heads, self.head_dim, self.dtype)
+        block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
         max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         return determine_num_blocks(
             block_bytes, self.device, max_useful=max_useful,
@@ -95,7 +84,8 @@ class ModelRunner:
         if not len(sampled_rows):  # only prefill chunks short of their prompts' ends
             return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], step=so.step)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        tokens, logprobs = self.sampler.sample(logits, self.input_batch, sampled_rows)
+        tokens, logprobs = self.sampler.sample(
+            logits, self.input_batch.sampling_metadata(sampled_rows))
         self.input_batch.append_tokens(sampled_rows, tokens)
         return _output(step.req_ids, step.sampled.nonzero()[0].tolist(), tokens, logprobs,
                        so.step)

@@ -8,7 +8,6 @@ import socket
 import sys
 import traceback
 
-import msgspec
 import torch
 import zmq
 
@@ -34,8 +33,10 @@ from protocol import (
     WorkerShutdown,
 )
 from protocol.scheduler_output import MAX_STEP_FRAME
+from worker.device import resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.model_runner import ModelRunner, resolve_device
+from worker.model_runner import ModelRunner
+from worker.worker_args import add_worker_args
 
 logger = logging.getLogger("deltaserve")
 
@@ -89,10 +90,7 @@ class WorkerProc:
     def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
         torch.set_num_threads(_num_threads(config.num_threads, world))
-        device = resolve_device(config.device)
-        if device.type == "cuda" and config.device in ("auto", "cuda"):
-            device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            config = msgspec.structs.replace(config, device=str(device))
+        device = resolve_device(config.device, self.rank)  # the ModelRunner's too
         tp = TensorParallel.initialize(self.rank, world, dist_init_method, device)
         runner = ModelRunner(config, tp)
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
@@ -147,11 +145,13 @@ def _num_threads(configured: int | None, world: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaserve worker",
                                      description="Run one worker rank and join an engine.")
-    parser.add_argument("--connect", required=True, help="the engine core's worker address")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--worker-secret-file",
-                        help=f"the engine's worker secret (default: ${SECRET_ENV})")
-    args = parser.parse_args(argv)
+    add_worker_args(parser)
+    return run_worker(parser.parse_args(argv), parser)
+
+
+def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the rank that `args` (parsed with `add_worker_args`' flags) names until the engine
+    lets it go; `parser` reports a missing secret."""
     secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
               else secret_from_environment())
     if secret is None:

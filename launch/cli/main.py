@@ -6,6 +6,7 @@ import sys
 import time
 
 from launch.cli.engine_args import add_engine_args, engine_kwargs
+from worker.worker_args import add_worker_args
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,21 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parsers(sub)
-    worker = sub.add_parser("worker", help="run one worker rank and join an engine")
-    worker.add_argument("--connect", required=True)
-    worker.add_argument("--rank", type=int, required=True)
-    worker.add_argument("--worker-secret-file",
-                        help="the engine's worker secret (default: $DELTASERVE_WORKER_SECRET)")
+    worker = sub.add_parser("worker", help="run one worker rank and join an engine",
+                            description="Run one worker rank and join an engine.")
+    add_worker_args(worker)
     _replay_parser(sub)
     _journal_parser(sub)
     from launch.cli import model_commands
     model_commands.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
-        from worker.worker_proc import main as worker_main
-        secret = ["--worker-secret-file", args.worker_secret_file] if args.worker_secret_file \
-            else []
-        return worker_main(["--connect", args.connect, "--rank", str(args.rank), *secret])
+        from worker.worker_proc import run_worker
+        return run_worker(args, worker)
     from launch.errors import EngineDeadError
     from protocol.journal import JournalError
     try:

@@ -1,4 +1,4 @@
-"""The attention backend interface, and the KV cache layout every backend shares."""
+"""The attention backend interface (the KV cache layout is in kv_cache_spec.py)."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -6,11 +6,6 @@ from typing import Protocol
 import torch
 
 from worker.attention.metadata import AttentionMetadata
-
-# KV cache layout, per layer: a key and a value tensor, each
-#   [num_blocks, block_size, num_kv_heads, head_dim]   (token-major within a block, "NHD")
-# Slot s (from slot_mapping) is row s of the tensor viewed as [num_blocks * block_size, ...].
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) cache tensors
 
 
 class AttentionBackend(Protocol):

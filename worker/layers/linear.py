@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers. Each parameter's `weight_loader` shards a checkpoint tensor.
 
 Column-parallel layers split the output features across ranks (no communication); row-parallel
-layers split the input features and all-reduce the partial outputs.
+layers split the input features and all-reduce the partial outputs. A layer's weights belong
+to its `quant_method`; loaders cut every parameter by feature ranges through its `shard_dims`.
 """
 from __future__ import annotations
 
@@ -9,38 +10,39 @@ import torch
 from torch import nn
 
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.layers.onednn_linear import linear, packed_parameter
+from worker.layers.quantization.base import QuantizationConfig, ShardDims, parameter
+from worker.layers.quantization.unquantized import UnquantizedConfig
 
 
 class LinearBase(nn.Module):
-    """A tensor-parallel linear layer's `weight`, packable once loading is done."""
+    """Weights from `quant_method` for this rank's `[out_per_rank, in_per_rank]` share; an
+    optional bias `[out_per_rank]`, split with the output features."""
 
-    weight: nn.Parameter
-
-    def pack(self) -> None:
-        """Final weights into oneDNN's layout (after loading; no weight_loader after)."""
-        self.weight = packed_parameter(self.weight)
+    def __init__(self, in_per_rank: int, out_per_rank: int, tp: TensorParallel, bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.quant_method = (quant_config or UnquantizedConfig()).get_linear_method(self, prefix)
+        self.quant_method.create_weights(self, in_per_rank, out_per_rank)
+        self.bias = parameter(torch.empty(out_per_rank), ShardDims(input_dim=None)) \
+            if bias else None
 
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
-                 bias: bool = False, out_per_rank: int | None = None) -> None:
-        super().__init__()
-        self.tp = tp
+                 bias: bool = False, out_per_rank: int | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.out_per_rank = out_per_rank or tp.shard(out_features, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) \
-            if bias else None
+        super().__init__(in_features, self.out_per_rank, tp, bias, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         start = self.tp.rank * self.out_per_rank
-        param.data.copy_(loaded.narrow(0, start, self.out_per_rank))
+        param.data.copy_(param.shard_dims.output(loaded, start, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -49,15 +51,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank's weight is `[shard of part 0; shard of part 1; ...]`.
     """
 
-    def __init__(self, in_features: int, part_sizes: list[int], tp: TensorParallel) -> None:
-        super().__init__(in_features, sum(part_sizes), tp)
+    def __init__(self, in_features: int, part_sizes: list[int], tp: TensorParallel,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.part_sizes = [tp.shard(size, "merged projection") for size in part_sizes]
+        super().__init__(in_features, sum(part_sizes), tp, quant_config=quant_config,
+                         prefix=prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       part: int = 0) -> None:
         size = self.part_sizes[part]
         offset = sum(self.part_sizes[:part])
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+        dims = param.shard_dims
+        dims.output(param.data, offset, size).copy_(
+            dims.output(loaded, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -72,7 +78,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TensorParallel, bias: bool = False) -> None:
+                 tp: TensorParallel, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         world, rank = tp.world_size, tp.rank
         if num_kv_heads >= world:
             self.kv_head_start, self.num_kv_heads = _even_part(num_kv_heads, world, rank)
@@ -87,7 +94,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads, self.kv_head_start = 1, rank * num_kv_heads // world
         self.head_dim = head_dim
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp, bias,
-                         out_per_rank=(self.num_heads + 2 * self.num_kv_heads) * head_dim)
+                         out_per_rank=(self.num_heads + 2 * self.num_kv_heads) * head_dim,
+                         quant_config=quant_config, prefix=prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       part: str = "q") -> None:
@@ -98,7 +106,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if part == "k" else q_size + kv_size
             size, start = kv_size, self.kv_head_start * d
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        dims = param.shard_dims
+        dims.output(param.data, offset, size).copy_(dims.output(loaded, start, size))
 
 
 def _even_part(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -113,24 +122,18 @@ class RowParallelLinear(LinearBase):
     or as `shard` = (start, size) gives (o_proj follows the query heads' uneven split)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
-                 bias: bool = False, shard: tuple[int, int] | None = None) -> None:
-        super().__init__()
-        self.tp = tp
+                 bias: bool = False, shard: tuple[int, int] | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         if shard is None:
             size = tp.shard(in_features, "input features")
             shard = (tp.rank * size, size)
         self.in_start, self.in_per_rank = shard
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) \
-            if bias else None
+        super().__init__(self.in_per_rank, out_features, tp, bias, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param is self.bias:
-            param.data.copy_(loaded)
-            return
-        param.data.copy_(loaded.narrow(1, self.in_start, self.in_per_rank))
+        """Weights lose the other ranks' input features; the bias (not split) loads whole."""
+        param.data.copy_(param.shard_dims.input(loaded, self.in_start, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(self.quant_method.apply(self, x))
         return y + self.bias if self.bias is not None else y

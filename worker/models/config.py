@@ -1,4 +1,5 @@
-"""What a worker needs from a Hugging Face `config.json`, validated."""
+"""What a worker needs from a Hugging Face `config.json`: the generic fields, validated. The
+architecture's own reading (worker/models/adapters.py) supplies the rest."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+from worker.layers.quantization.registry import QUANTIZATION_CONFIGS
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -34,28 +35,22 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on each query and key head before RoPE (Qwen3)
+    attention_bias: bool  # q/k/v projections carry a bias (set by the architecture's adapter)
+    qk_norm: bool  # RMSNorm on each query and key head before RoPE (likewise)
     dtype: torch.dtype
     eos_token_id: int | None
+    quantization: str  # QUANTIZATION_CONFIGS key: quantization_config's quant_method, or none
     hf: dict[str, Any] = field(repr=False, compare=False)
 
     @staticmethod
-    def from_pretrained(model_dir: str) -> ModelConfig:
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
-        with open(path) as f:
-            return ModelConfig.from_dict(json.load(f))
-
-    @staticmethod
-    def from_dict(hf: dict[str, Any]) -> ModelConfig:
-        arch = _architecture(hf)
-        _check_values(arch, hf)
+    def from_dict(hf: dict[str, Any], architecture: str, *, attention_bias: bool,
+                  qk_norm: bool) -> ModelConfig:
+        """The generic fields of `hf`; the architecture's adapter gives the rest."""
+        _check_heads(hf)
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         return ModelConfig(
-            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            architecture=architecture, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
@@ -64,11 +59,11 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=attention_bias, qk_norm=qk_norm,
             dtype=_DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
                               torch.float32),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos, hf=hf)
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            quantization=_quantization(hf), hf=hf)
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         """`auto` means the checkpoint's dtype; otherwise one of float32/bfloat16/float16."""
@@ -79,37 +74,26 @@ class ModelConfig:
         return _DTYPES[dtype]
 
 
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+def read_config_json(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+    with open(path) as f:
+        return json.load(f)
 
 
-def _architecture(hf: dict[str, Any]) -> str:
-    archs = hf.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    if not archs and hf.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[hf["model_type"]]
-    raise UnsupportedModelError(
-        f"unsupported architecture {archs or hf.get('model_type')!r}; deltaserve supports "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def _check_values(arch: str, hf: dict[str, Any]) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only 'silu')")
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window is not None and uses_window and window < hf.get("max_position_embeddings", 0):
-        raise UnsupportedModelError(
-            f"unsupported sliding_window={window} (shorter than max_position_embeddings); "
-            "sliding-window attention is not implemented")
-    if hf.get("mlp_bias"):
-        raise UnsupportedModelError("unsupported mlp_bias=true")
+def _check_heads(hf: dict[str, Any]) -> None:
     if hf["num_attention_heads"] % (hf.get("num_key_value_heads") or hf["num_attention_heads"]):
         raise UnsupportedModelError("num_attention_heads must be a multiple of "
                                     "num_key_value_heads")
+
+
+def _quantization(hf: dict[str, Any]) -> str:
+    name = (hf.get("quantization_config") or {}).get("quant_method", "none")
+    if name not in QUANTIZATION_CONFIGS:
+        raise UnsupportedModelError(f"unsupported quantization {name!r}; supported: "
+                                    f"{', '.join(QUANTIZATION_CONFIGS)}")
+    return name
 
 
 def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:

@@ -6,28 +6,30 @@ import torch
 from torch import nn
 
 from worker.attention.backend import AttentionBackend
+from worker.attention.kv_cache_spec import KVCache, KVCacheSpec
 from worker.attention.metadata import AttentionMetadata
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.activation import silu_and_mul
 from worker.layers.layernorm import RMSNorm
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.config import ModelConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key, value) cache tensors
-
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         d = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
-                                          config.num_key_value_heads, tp, config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads, tp,
+            config.attention_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * d, config.hidden_size, tp,
-            shard=(self.qkv_proj.q_start * d, self.qkv_proj.num_heads * d))
+            shard=(self.qkv_proj.q_start * d, self.qkv_proj.num_heads * d),
+            quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim, self.scale, self.backend = d, d ** -0.5, backend
         if config.qk_norm:
@@ -48,11 +50,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], tp, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -67,13 +73,13 @@ class LlamaDecoderLayer(nn.Module):
     first adds the previous sublayer's output to the stream, so the layer returns its MLP
     output for the next layer's (or the final) norm to add."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, backend)
+        self.self_attn = LlamaAttention(config, tp, backend, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp, quant_config, f"{prefix}.mlp")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,11 +102,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
-                 max_positions: int) -> None:
+                 max_positions: int, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, backend)
-                                    for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                   quant_config, f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, backend, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                           config.rope_scaling)
@@ -127,11 +136,13 @@ class LlamaForCausalLM(nn.Module):
                       "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
-                 max_positions: int) -> None:
+                 max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
+        """Weights come from `quant_config`'s methods (None: dense)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, backend, max_positions)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.model = LlamaModel(config, tp, backend, max_positions, quant_config, "model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config,
+                                      "lm_head")
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -142,3 +153,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, identical on every rank."""
         return self.lm_head.compute_logits(hidden)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One (key, value) pair per decoder layer, in the layers' compute dtype."""
+        layers = self.model.layers
+        attn = layers[0].self_attn
+        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim, layers[0].dtype)

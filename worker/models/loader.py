@@ -12,34 +12,36 @@ from torch import nn
 
 from worker.attention.backend import AttentionBackend
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.layers import onednn_linear
 from worker.layers.layernorm import RMSNorm
-from worker.layers.linear import LinearBase
+from worker.layers.quantization.registry import get_quantization_config
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend,
-               max_positions: int) -> LlamaForCausalLM:
-    """Every supported architecture is a member of the Llama family (see `worker.llama`).
+               max_positions: int) -> nn.Module:
+    """The architecture's class from the registry, built on `device` and loaded.
 
-    Parameters take `dtype`, except RMSNorm weights, which stay float32 (the norms compute in
-    float32); buffers (the RoPE tables) stay float32, as in Hugging Face."""
+    Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
+    norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
+    every weight is loaded, each layer's weight method finishes its weights (e.g. packs them)."""
+    quant_config = get_quantization_config(config.quantization)
     with torch.device(device):
-        model = LlamaForCausalLM(config, tp, backend, max_positions)
+        model = model_class(config.architecture)(config, tp, backend, max_positions,
+                                                 quant_config)
     keep_float32 = {id(p) for m in model.modules() if isinstance(m, RMSNorm)
                     for p in m.parameters()}
     for param in model.parameters():  # each shared (tied) parameter once
-        if id(param) not in keep_float32:
+        if param.is_floating_point() and id(param) not in keep_float32:
             param.data = param.data.to(dtype)
     load_weights(model, model_dir)
-    if onednn_linear.enabled(device):
-        for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.pack()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -62,7 +64,7 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str) -> None:
     """Copy each checkpoint tensor into its (possibly merged, possibly sharded) parameter."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())

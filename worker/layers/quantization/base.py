@@ -1,0 +1,96 @@
+"""The weight-method interfaces a quantization config hands to each layer, and where a
+parameter's features lie so that tensor-parallel loading can cut any of its parameters."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ShardDims:
+    """Where a parameter's features lie relative to its layer's logical weight
+    `[out_features, in_features]`, so a weight_loader cuts every parameter (a dense weight,
+    packed quantized blocks, their scales, a bias) by the same feature ranges.
+
+    Output features run along `output_dim` and input features along `input_dim` (None: the
+    parameter is not split by them and every rank loads all of it, e.g. a per-tensor scale or
+    a row-parallel bias). One stored element along a dim covers `output_block`/`input_block`
+    features (e.g. 32 inputs per quantized block), so a rank's ranges must be whole blocks."""
+
+    output_dim: int | None = 0
+    input_dim: int | None = 1
+    output_block: int = 1
+    input_block: int = 1
+
+    def output(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """The part of `tensor` holding output features `[start, start + size)`."""
+        return _narrow(tensor, self.output_dim, start, size, self.output_block)
+
+    def input(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """The part of `tensor` holding input features `[start, start + size)`."""
+        return _narrow(tensor, self.input_dim, start, size, self.input_block)
+
+
+def _narrow(tensor: torch.Tensor, dim: int | None, start: int, size: int,
+            block: int) -> torch.Tensor:
+    if dim is None:
+        return tensor
+    if start % block or size % block:
+        raise ValueError(f"features [{start}, {start + size}) are not whole blocks of {block}")
+    return tensor.narrow(dim, start // block, size // block)
+
+
+def parameter(data: torch.Tensor, dims: ShardDims) -> nn.Parameter:
+    """A frozen parameter carrying where its features lie (`param.shard_dims`)."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.shard_dims = dims
+    return param
+
+
+class QuantizeMethodBase(ABC):
+    """Owns one layer's weight parameters: creates them, finishes them after loading."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
+        """Register on `layer` the parameters holding this rank's `[out_per_rank, in_per_rank]`
+        share of the weight, each made with `parameter`. Floating-point parameters are float32
+        placeholders that the loader casts to the compute dtype; others keep their dtype."""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once when every weight is loaded (no weight_loader runs after): the final
+        form, e.g. a packed or repacked layout."""
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in_per_rank] -> x W^T + b [..., out_per_rank]."""
+
+
+class EmbeddingMethodBase(QuantizeMethodBase):
+    @abstractmethod
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] within this rank's rows -> their rows [n, hidden] in the compute dtype."""
+
+
+class QuantizationConfig(ABC):
+    """Which weight method each layer gets; `prefix` is the layer's name in the model
+    (`model.layers.0.self_attn.qkv_proj`), for configs that treat some layers differently."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        """A tensor-parallel linear layer's method."""
+
+    @abstractmethod
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase:
+        """The vocabulary embedding's method (weights `[rows_per_rank, hidden]`)."""
+
+    @abstractmethod
+    def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        """The LM head's method (weights `[rows_per_rank, hidden]`); its `apply` returns
+        float32 logits whatever the compute dtype."""

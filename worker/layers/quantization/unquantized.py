@@ -1,0 +1,80 @@
+"""Dense weights: F.linear, or oneDNN with each weight packed once after loading where
+`onednn_linear.enabled` (a CPU device)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers import onednn_linear
+from worker.layers.quantization.base import (
+    EmbeddingMethodBase,
+    LinearMethodBase,
+    QuantizationConfig,
+    ShardDims,
+    parameter,
+)
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """`weight` [out_per_rank, in_per_rank] in the compute dtype, packed after loading."""
+
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
+        layer.weight = parameter(torch.empty(out_per_rank, in_per_rank), ShardDims())
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if onednn_linear.enabled(layer.weight.device):
+            layer.weight = onednn_linear.packed_parameter(layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return onednn_linear.linear(x, layer.weight, bias)
+
+
+def _vocab_table(layer: nn.Module, hidden_size: int, rows_per_rank: int) -> None:
+    """`weight` [rows_per_rank, hidden_size]; rows past the vocabulary (the last rank's
+    padding) stay zero."""
+    layer.weight = parameter(torch.zeros(rows_per_rank, hidden_size), ShardDims())
+
+
+class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
+        _vocab_table(layer, in_per_rank, out_per_rank)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The dense table is final as loaded (a tied LM head shares it)."""
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+class UnquantizedLMHeadMethod(LinearMethodBase):
+    """Logits in float32 whatever the compute dtype: a half-precision product rounds logits
+    to 8 (bf16) bits, which turns near-ties into exact ties and flips greedy tokens. After
+    loading, `weight_float32` is a float32 copy of `weight` (the weight itself when already
+    float32), packed for oneDNN on a CPU; `weight` stays the dense table a tied embedding
+    shares."""
+
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
+        _vocab_table(layer, in_per_rank, out_per_rank)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.detach().float()
+        layer.weight_float32 = (onednn_linear.pack(weight)
+                                if onednn_linear.enabled(weight.device) else weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, hidden] -> [n, rows_per_rank] float32."""
+        return onednn_linear.linear(x.float(), layer.weight_float32, bias)
+
+
+class UnquantizedConfig(QuantizationConfig):
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        return UnquantizedLinearMethod()
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase:
+        return UnquantizedEmbeddingMethod()
+
+    def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        return UnquantizedLMHeadMethod()

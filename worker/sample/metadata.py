@@ -1,0 +1,30 @@
+"""What the sampler needs for one step's sampled rows, gathered from the persistent batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Row i describes the step's i-th sampled request (row i of the logits). Per-request
+    inputs of the logits processors are listed only for the rows that need them, in
+    increasing row order, so a step of greedy rows without penalties carries none."""
+
+    temperature: np.ndarray  # [n] float32; below GREEDY_EPS: greedy
+    all_greedy: bool  # every row greedy: no random draw at all
+    top_k: np.ndarray  # [n] int64; 0: off
+    top_p: np.ndarray  # [n] float32
+    min_p: np.ndarray  # [n] float32
+    generators: dict[int, torch.Generator]  # row -> its seeded generator (random rows only)
+    logprobs: np.ndarray  # [n] int64: top logprobs wanted; -1: none
+    penalized: np.ndarray  # [p] rows with repetition/presence/frequency penalties
+    penalty_params: list[SamplingParams]  # [p] their params
+    prompt_tokens: list[np.ndarray]  # [p] their prompts (views of the batch: read, never keep)
+    output_tokens: list[np.ndarray]  # [p] their outputs so far (likewise)
+    below_min_tokens: np.ndarray  # [m] rows with fewer outputs than min_tokens
+    stop_tokens: list[list[int]]  # [m] their stop tokens (stop ids, EOS unless ignored)
