@@ -1,5 +1,6 @@
 """The contract between deltaserve's processes: wire messages and their codecs (no torch)."""
 from protocol.codec import HEADER, PROTOCOL_VERSION, Channel, Codec, ProtocolError, to_builtins
+from protocol.draft_tokens import DraftTokens
 from protocol.engine_config import EngineConfig
 from protocol.engine_messages import (
                                       AbortRequests,
@@ -14,12 +15,19 @@ from protocol.engine_messages import (
                                       FrontendToCore,
                                       SchedulerStats,
                                       ShutdownEngine,
+                                      SpecDecodingStats,
 )
 from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
-from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from protocol.scheduler_output import (
+                                      CachedRequestData,
+                                      NewRequestData,
+                                      SchedulerOutput,
+                                      SpecDecodeSchedulerOutput,
+)
+from protocol.speculative_config import SpeculativeConfig
 from protocol.worker_messages import (
                                       CoreToWorker,
                                       WorkerError,
@@ -35,8 +43,9 @@ __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",
     "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
-    "FrontendToCore", "SchedulerStats", "ShutdownEngine", "IntColumn", "ModelRunnerOutput",
+    "FrontendToCore", "SchedulerStats", "ShutdownEngine", "SpecDecodingStats", "DraftTokens",
+    "IntColumn", "ModelRunnerOutput",
     "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
-    "SchedulerOutput", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
+    "SchedulerOutput", "SpecDecodeSchedulerOutput", "SpeculativeConfig", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
     "WorkerPing", "WorkerReady", "WorkerShutdown", "WorkerToCore",
 ]

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.speculative_config import SpeculativeConfig
+
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -38,6 +40,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "waiting-queue order", flag="--scheduling-policy")] = "fcfs"
     async_scheduling: Annotated[bool, _opt(
         "schedule the next step while the workers run the current one")] = False
+    speculative_config: Annotated[SpeculativeConfig | None, _opt(
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
+        "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": M} or {\"method\": "
+        "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K}")] = None
     num_gpu_blocks_override: Annotated[int | None, _opt(
         "KV-cache blocks per worker, overriding the memory budget")] = None
     kv_cache_memory_bytes: Annotated[int | None, _opt("KV-cache bytes per worker")] = None
@@ -91,6 +97,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("startup_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config does not work with async_scheduling: a "
+                             "step's proposals follow from the tokens the step before it "
+                             "accepted, which the scheduler does not know yet while that step "
+                             "runs; choose one of them")
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
@@ -104,6 +115,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}")
+        if options.get("speculative_config") is not None:
+            options["speculative_config"] = SpeculativeConfig.parse(options["speculative_config"])
         return EngineConfig(**options)
 
     @property

@@ -63,12 +63,22 @@ class EngineCoreOutput(WireStruct):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(WireStruct):
+    """Speculative decoding since the engine started: requests' verifications with drafts
+    (`num_drafts`), their draft tokens, and how many of those the target accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
 class SchedulerStats(WireStruct):
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
 
 
 class EngineCoreOutputs(WireStruct, tag=20):

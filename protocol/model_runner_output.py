@@ -1,6 +1,7 @@
 """What rank 0 returns to the scheduler after running one step."""
 from __future__ import annotations
 
+from protocol.draft_tokens import DraftTokens
 from protocol.wire_struct import WireStruct
 
 
@@ -20,12 +21,15 @@ class ModelRunnerOutput(WireStruct, tag=2):
     """New tokens per scheduled request, in `req_ids` order.
 
     `sampled_token_ids[i]` is empty for a prefill chunk that did not reach the end of the
-    prompt. `logprobs[i]` holds one entry per sampled token of request i when it asked for
-    logprobs, else None; the whole column is None when no request asked.
+    prompt; a request that verified d draft tokens gets 1 to d + 1 tokens (its accepted
+    drafts, then the target's own token). `logprobs[i]` holds one entry per sampled token of
+    request i when it asked for logprobs, else None; the whole column is None when no request
+    asked. `draft_token_ids` are a draft model's proposals for the next step (None without).
     """
 
     req_ids: list[int]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[SampleLogprobs] | None] | None = None
     step: int = 0
+    draft_token_ids: DraftTokens | None = None
 

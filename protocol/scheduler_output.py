@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from functools import cached_property
+from typing import ClassVar
 
 import msgspec
 
+from protocol.draft_tokens import DraftTokens
 from protocol.int_column import IntColumn
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
@@ -111,6 +113,7 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     `finished_req_ids` lists handles finished since the previous step (workers drop them
     before applying anything else); `preempted_req_ids` lists handles preempted in this step
     (their KV is gone, but workers keep their tokens until they resume or finish).
+    A step with speculative decoding is a `SpecDecodeSchedulerOutput`.
     (`dict=True`, hence `gc=True`, holds the cached properties.)
     """
 
@@ -123,6 +126,9 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     preempted_req_ids: list[int] = []
     # Steps are numbered from 1 without gaps; a worker that sees a gap reports an error.
     step: int = 0
+    # What a SpecDecodeSchedulerOutput carries; a plain step verifies and proposes nothing.
+    scheduled_spec_decode_tokens: ClassVar[DraftTokens | None] = None
+    num_spec_tokens_to_propose: ClassVar[IntColumn | None] = None
 
     def __post_init__(self) -> None:
         tokens = self.num_scheduled_tokens
@@ -139,6 +145,9 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
         num_reqs = len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs.req_ids)
         if len(tokens.counts) != num_reqs:
             raise ValueError(f"{len(tokens.counts)} token counts for {num_reqs} requests")
+        propose = self.num_spec_tokens_to_propose
+        if propose is not None and len(propose) != num_reqs:
+            raise ValueError(f"{len(propose)} draft lengths to propose for {num_reqs} requests")
         tokens.owner = self
 
     @property
@@ -155,3 +164,15 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     @cached_property
     def num_scheduled_tokens_by_handle(self) -> dict[int, int]:
         return dict(zip(self.scheduled_req_ids, self.scheduled_token_counts))
+
+
+class SpecDecodeSchedulerOutput(SchedulerOutput, tag=3):
+    """A step with speculative decoding (its own tag, so that a plain step costs no byte more).
+
+    `scheduled_spec_decode_tokens` names the draft tokens some requests verify, in the step's
+    request order: such a request's count covers its known tokens, then its drafts. With a
+    draft model, `num_spec_tokens_to_propose[i]` is how many draft tokens the workers propose
+    after this step for the i-th scheduled request (None: none at all)."""
+
+    scheduled_spec_decode_tokens: DraftTokens | None = None
+    num_spec_tokens_to_propose: IntColumn | None = None
