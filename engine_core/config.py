@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from protocol.engine_config import SchedulingPolicy
+from protocol.speculative_config import SpeculativeConfig
 
 POLICIES = get_args(SchedulingPolicy)
 
@@ -22,8 +23,13 @@ class SchedulerConfig:
     # are scheduled as placeholders (the workers know them), and handles are reused only once
     # no step in flight can name them. Off: every step is scheduled after the previous update.
     async_scheduling: bool = False
+    # Draft tokens proposed per request (n-gram lookup here, or a draft model in the
+    # workers) and verified as extra tokens of the next step; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative decoding does not work with async scheduling")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -51,7 +51,8 @@ class EngineCore:
                             max_model_len=max_model_len, policy=config.policy,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            async_scheduling=config.async_scheduling),
+                            async_scheduling=config.async_scheduling,
+                            speculative_config=config.speculative_config),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
             vocab_size)
         return EngineCore(scheduler, executor, config.max_logprobs)

@@ -36,13 +36,17 @@ class Request:
     `num_computed_tokens` at once; when it reaches the end the worker samples a token,
     `num_tokens` grows by one, and the request is behind by one token again. Prefill, chunked
     prefill, prefix-cache hits and recompute after preemption are all this one rule.
+    Speculative decoding adds `spec_token_ids`, proposed tokens after `all_token_ids` that the
+    next step schedules as if they were known: while that step runs `num_computed_tokens`
+    counts them too, and its update takes back those the target rejected.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time",
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
-                 "length_end", "scheduled_time", "block_hash_extra_keys")
+                 "length_end", "scheduled_time", "block_hash_extra_keys", "spec_token_ids",
+                 "spec_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -79,6 +83,8 @@ class Request:
         # scheduling only; they sit after all_token_ids, and only the workers know them).
         self.num_output_placeholders = 0
         self.scheduled_time: float | None = None  # time.time() when first scheduled
+        self.spec_token_ids: list[int] = []  # draft tokens for the next step to verify
+        self.spec_state = None  # engine_core.spec_decode's per-request DraftState, if any
 
     @property
     def num_tokens(self) -> int:

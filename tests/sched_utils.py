@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
 from engine_core.sched.scheduler import Scheduler
-from protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput, SpeculativeConfig
 
 EOS_TOKEN_ID = 50256
 
@@ -13,14 +13,16 @@ def make_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                    enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                    long_prefill_token_threshold: int = 0, num_blocks: int = 10000,
                    block_size: int = 16, max_model_len: int | None = None,
-                   policy: str = "fcfs", async_scheduling: bool = False) -> Scheduler:
+                   policy: str = "fcfs", async_scheduling: bool = False,
+                   speculative_config: SpeculativeConfig | None = None) -> Scheduler:
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len or max_num_batched_tokens,
                             policy=policy,
                             long_prefill_token_threshold=long_prefill_token_threshold,
                             enable_chunked_prefill=enable_chunked_prefill,
-                            async_scheduling=async_scheduling)
+                            async_scheduling=async_scheduling,
+                            speculative_config=speculative_config)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                         enable_prefix_caching=enable_prefix_caching)
     return Scheduler(sched, cache)

@@ -60,20 +60,24 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       full_sequence_must_fit: bool = False) -> list[int] | None:
-        """Give the request blocks for `num_new_tokens` more tokens.
+                       full_sequence_must_fit: bool = False,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Give the request blocks for `num_new_tokens` more tokens, and room for
+        `num_lookahead_tokens` after them (slots a draft model writes ahead).
 
-            | computed | new computed (hits) | new (this step) | rest of the sequence |
-            0          num_computed_tokens   +num_new_computed +num_new_tokens        num_tokens
+            | computed | new computed (hits) | new (this step) | lookahead | rest of the sequence
+            0          num_computed_tokens   +num_new_computed +num_new_tokens
 
-        Returns the ids of newly allocated blocks (possibly none), or None if the pool cannot
-        supply them, in which case no state changed. With `full_sequence_must_fit`, blocks
-        for the whole current sequence must fit, though only this step's are allocated.
+        New tokens past `num_tokens` (draft tokens) are computed but never published in the
+        prefix cache. Returns the ids of newly allocated blocks (possibly none), or None if
+        the pool cannot supply them, in which case no state changed. With
+        `full_sequence_must_fit`, blocks for the whole current sequence must fit, though only
+        this step's are allocated.
         """
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is not None and new_computed_blocks is None and not full_sequence_must_fit:
             end = request.num_computed_tokens + num_new_tokens
-            if end <= len(blocks) * self.block_size:  # the common decode step: no new block
+            if end + num_lookahead_tokens <= len(blocks) * self.block_size:  # no new block
                 if self.enable_caching and end // self.block_size > self.num_cached_block[
                         request.request_id]:
                     self._cache_full_blocks(request, blocks, min(end, request.num_tokens))
@@ -81,7 +85,7 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         num_held = len(blocks) if blocks is not None else 0
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = -(-end // self.block_size) - num_held - len(hits)
+        num_new_blocks = -(-(end + num_lookahead_tokens) // self.block_size) - num_held - len(hits)
         needed = max(num_new_blocks, 0)
         if full_sequence_must_fit:
             needed = max(needed, -(-request.num_tokens // self.block_size) - num_held - len(hits))

@@ -18,6 +18,7 @@ class RequestTable:
       num_computed  mirrors `Request.num_computed_tokens`
       num_tokens    mirrors `Request.num_tokens` (prompt + sampled outputs)
       placeholders  mirrors `Request.num_output_placeholders`
+      num_spec      mirrors `len(Request.spec_token_ids)` (draft tokens to verify next)
       length_end    mirrors `Request.length_end` (constant)
       slot_end      tokens its KV blocks hold (`KVCacheManager.num_slots`)
       publish_end   computed length at which it fills a block not yet in the prefix cache
@@ -26,13 +27,14 @@ class RequestTable:
     `check` compares the columns with the objects.
     """
 
-    COLUMNS = ("num_computed", "num_tokens", "placeholders", "length_end", "slot_end",
-               "publish_end")
+    COLUMNS = ("num_computed", "num_tokens", "placeholders", "num_spec", "length_end",
+               "slot_end", "publish_end")
 
     def __init__(self, rows: int = 64) -> None:
         self.num_computed = np.zeros(rows, np.int64)
         self.num_tokens = np.zeros(rows, np.int64)
         self.placeholders = np.zeros(rows, np.int64)
+        self.num_spec = np.zeros(rows, np.int64)
         self.length_end = np.zeros(rows, np.int64)
         self.slot_end = np.zeros(rows, np.int64)
         self.publish_end = np.zeros(rows, np.int64)
@@ -47,6 +49,7 @@ class RequestTable:
         self.num_computed[h] = request.num_computed_tokens
         self.num_tokens[h] = request.num_tokens
         self.placeholders[h] = request.num_output_placeholders
+        self.num_spec[h] = len(request.spec_token_ids)
         self.length_end[h] = request.length_end
         self.sync_blocks(request, kv)
 
@@ -57,25 +60,28 @@ class RequestTable:
         self.publish_end[h] = _NEVER if publish_end is None else publish_end
 
     def preempt(self, request: Request, kv: KVCacheManager) -> None:
-        """The request lost its blocks and starts over (its tokens stay)."""
-        self.num_computed[request.req_id] = self.placeholders[request.req_id] = 0
+        """The request lost its blocks and its drafts and starts over (its tokens stay)."""
+        h = request.req_id
+        self.num_computed[h] = self.placeholders[h] = self.num_spec[h] = 0
         self.sync_blocks(request, kv)
 
     # --- one pass over all running requests -------------------------------------------------
 
     def schedule_pass(self, handles: np.ndarray, budget: int, max_model_len: int,
-                      long_prefill_token_threshold: int) -> tuple[np.ndarray, np.ndarray]:
+                      long_prefill_token_threshold: int, num_lookahead_tokens: int = 0,
+                      ) -> tuple[np.ndarray, np.ndarray]:
         """What the running requests `handles` (in running order) take from `budget`, served
         in order: `take[i]` tokens for request i (0: not scheduled), and `needs_kv[i]`: its
         step needs the KV cache manager (a new block, or a newly full block to publish).
 
-        A request is behind by `num_tokens + placeholders - num_computed` tokens, capped by
-        the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions stay
-        below max_model_len) and by what the requests before it left of the budget; it takes
-        none if the tokens in flight already end it by length."""
+        A request is behind by `num_tokens + placeholders + num_spec - num_computed` tokens,
+        capped by the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions
+        stay below max_model_len) and by what the requests before it left of the budget; it
+        takes none if the tokens in flight already end it by length. Its KV slots must reach
+        `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
-        n = tokens + pending - computed
+        n = tokens + pending + self.num_spec[handles] - computed
         if long_prefill_token_threshold > 0:
             np.minimum(n, long_prefill_token_threshold, out=n)
         np.minimum(n, max_model_len - 1 - computed, out=n)
@@ -85,7 +91,8 @@ class RequestTable:
         left = np.maximum(budget - (np.cumsum(n) - n), 0)
         take = np.minimum(n, left)
         end = computed + take
-        needs_kv = (take > 0) & ((end > self.slot_end[handles])
+        slots = np.minimum(end + num_lookahead_tokens, max_model_len)
+        needs_kv = (take > 0) & ((slots > self.slot_end[handles])
                                  | (end >= self.publish_end[handles]))
         return take, needs_kv
 
@@ -116,11 +123,10 @@ class RequestTable:
         for request in requests:
             h, publish_end = request.req_id, kv.publish_end(request.request_id)
             expected = (request.num_computed_tokens, request.num_tokens,
-                        request.num_output_placeholders, request.length_end,
-                        kv.num_slots(request.request_id),
+                        request.num_output_placeholders, len(request.spec_token_ids),
+                        request.length_end, kv.num_slots(request.request_id),
                         _NEVER if publish_end is None else publish_end)
-            found = (self.num_computed[h], self.num_tokens[h], self.placeholders[h],
-                     self.length_end[h], self.slot_end[h], self.publish_end[h])
+            found = tuple(getattr(self, name)[h] for name in self.COLUMNS)
             if tuple(int(x) for x in found) != expected:
                 bad.append(f"{request.request_id}: {found} != {expected}")
         return bad

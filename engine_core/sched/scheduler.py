@@ -15,6 +15,7 @@ from engine_core.sched.request_queue import create_request_queue
 from engine_core.sched.request_table import RequestTable, answer_rows
 from engine_core.sched.step_plan import StepPlan
 from engine_core.sched.stop_check import append_tokens, check_stop
+from engine_core.spec_decode.speculator import Speculator
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
@@ -61,6 +62,10 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.async_scheduling = scheduler_config.async_scheduling
+        spec = scheduler_config.speculative_config
+        self.speculator = (Speculator(spec, self.table, self.requests_by_handle)
+                           if spec is not None else None)
+        self.num_lookahead_tokens = self.speculator.num_lookahead_tokens if spec else 0
 
     # --- requests in and out ---------------------------------------------------------------
 
@@ -114,8 +119,9 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
+        spec = self.speculator.schedule(plan) if self.speculator is not None else (None, None)
         output = plan.build(self.step, finished, self.kv_cache_manager, self.table,
-                            self.handles.bound, self.max_model_len)
+                            self.handles.bound, self.max_model_len, *spec)
         self._update_after_schedule(plan)
         # Reusable from the next step on. Under async scheduling at most one step is in flight
         # while this one is scheduled, and it is collected before the next is scheduled, so
@@ -153,13 +159,16 @@ class Scheduler:
                 token_ids, reason = self._append_tokens(request, token_ids, stopped)
             outputs.append(EngineCoreOutput(request.request_id, token_ids, reason,
                                             request.stop_reason,
-                                            logprobs[i] if logprobs else None,
+                                            logprobs[i][:len(token_ids)]
+                                            if logprobs and logprobs[i] else None,
                                             request.num_cached_tokens,
                                             scheduled_time=request.scheduled_time
                                             if request.num_output_tokens == len(token_ids) else None))
         self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
         if stopped:
             self._finish_stopped(stopped)
+        if self.speculator is not None:
+            self.speculator.update(scheduler_output, model_runner_output)
         return outputs
 
     # --- scheduling helpers ----------------------------------------------------------------
@@ -177,11 +186,13 @@ class Scheduler:
         running, kv = self.running, self.kv_cache_manager
         handles = self._running_handles()[start:]
         take, needs_kv = self.table.schedule_pass(handles, plan.budget, self.max_model_len,
-                                                  self.long_prefill_token_threshold)
+                                                  self.long_prefill_token_threshold,
+                                                  self.num_lookahead_tokens)
         new_block_ids: dict[int, list[int]] = {}
         for i in np.flatnonzero(needs_kv).tolist():
             request, n = running[start + i], int(take[i])
-            block_ids = kv.allocate_slots(request, n)
+            block_ids = kv.allocate_slots(request, n,
+                                          num_lookahead_tokens=self._lookahead(request, n))
             if block_ids is None:
                 plan.add_running_pass(handles[:i], take[:i], running, start, new_block_ids)
                 block_ids = self._preempt_until_fits(request, n, plan)
@@ -240,9 +251,15 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return None
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, n)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, n, num_lookahead_tokens=self._lookahead(request, n))
             if new_block_ids is not None:
                 return new_block_ids
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """Slots past the step's n tokens a draft model writes into (not past max_model_len)."""
+        return min(self.num_lookahead_tokens,
+                   self.max_model_len - request.num_computed_tokens - n)
 
     def _pick_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":
@@ -258,6 +275,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
+        victim.spec_token_ids = []
         self.table.preempt(victim, self.kv_cache_manager)
         self.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -332,4 +350,5 @@ class Scheduler:
         pool = self.kv_cache_manager.block_pool
         return SchedulerStats(len(self.running), len(self.waiting),
                               pool.num_blocks - 1 - pool.get_num_free_blocks(),
-                              pool.num_blocks - 1, self.num_preemptions)
+                              pool.num_blocks - 1, self.num_preemptions,
+                              self.speculator.stats() if self.speculator is not None else None)

@@ -8,12 +8,14 @@ import numpy as np
 from engine_core.kv_cache.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.sched.request_table import RequestTable
+from protocol.draft_tokens import DraftTokens
 from protocol.int_column import IntColumn
 from protocol.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     ScheduledTokens,
     SchedulerOutput,
+    SpecDecodeSchedulerOutput,
 )
 
 
@@ -100,8 +102,11 @@ class StepPlan:
                 np.concatenate((counts, self.counts)))
 
     def build(self, step: int, finished_req_ids: list[int], kv_cache_manager: KVCacheManager,
-              table: RequestTable, max_handle: int, max_model_len: int) -> SchedulerOutput:
-        """The step message; `num_computed_tokens` are the counts before this step's tokens."""
+              table: RequestTable, max_handle: int, max_model_len: int,
+              spec_decode_tokens: DraftTokens | None = None,
+              num_spec_tokens_to_propose: IntColumn | None = None) -> SchedulerOutput:
+        """The step message; `num_computed_tokens` are the counts before this step's tokens.
+        With drafts to verify or to propose, a `SpecDecodeSchedulerOutput`."""
         new_reqs = [NewRequestData(
             request.req_id, request.request_id, request.prompt_token_ids,
             request.sampling_params, kv_cache_manager.get_block_ids(request.request_id),
@@ -112,8 +117,11 @@ class StepPlan:
                                    self.new_block_ids, self.resumed)
         counts = self.scheduled()[2]
         tokens = ScheduledTokens(_column(counts, int(counts.max(initial=0)) + 1))
-        return SchedulerOutput(new_reqs, cached, tokens, int(counts.sum()), finished_req_ids,
-                               self.preempted, step)
+        args = (new_reqs, cached, tokens, int(counts.sum()), finished_req_ids, self.preempted,
+                step)
+        if spec_decode_tokens is None and num_spec_tokens_to_propose is None:
+            return SchedulerOutput(*args)
+        return SpecDecodeSchedulerOutput(*args, spec_decode_tokens, num_spec_tokens_to_propose)
 
 
 def _column(values: np.ndarray, bound: int) -> IntColumn:

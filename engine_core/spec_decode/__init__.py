@@ -1,0 +1,1 @@
+"""Speculative decoding in the engine core: n-gram proposals, draft scheduling, rollback."""
