@@ -156,23 +156,40 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
-    def prompt_and_output(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        n, p = int(self.num_tokens[row]), int(self.num_prompt_tokens[row])
+    def append_verified(self, rows: np.ndarray, tokens: list[list[int]],
+                        num_drafts: np.ndarray) -> None:
+        """After a speculative step: row `rows[i]` verified `num_drafts[i]` drafts and emits
+        `tokens[i]` (its accepted drafts, then one more); the KV of its rejected drafts no
+        longer counts as computed."""
+        for row, emitted, drafts in zip(rows.tolist(), tokens, num_drafts.tolist()):
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n:n + len(emitted)] = emitted
+            self.num_tokens[row] = n + len(emitted)
+            self.num_computed[row] -= drafts + 1 - len(emitted)
+
+    def prompt_and_output(self, row: int, end: int | None = None,
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the row's prompt and outputs (up to token `end`, default its known ones;
+        a speculative step looks past them, at its drafts)."""
+        n, p = int(self.num_tokens[row]) if end is None else end, int(self.num_prompt_tokens[row])
         return self.token_ids[row, :p], self.token_ids[row, p:n]
 
     # --- sampling ---------------------------------------------------------------------------
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def sampling_metadata(self, rows: np.ndarray,
+                          offsets: np.ndarray | None = None) -> SamplingMetadata:
         """The sampler's inputs for `rows` (the sampled requests' rows, in logits order): numpy
         gathers, plus per-request Python only for non-greedy rows (their own generators) and
-        rows with penalties or below min_tokens."""
+        rows with penalties or below min_tokens. In a speculative step a row repeats once per
+        logits row of its request, and `offsets` says how many of its drafts (written after
+        its known tokens) precede that logits row: they count as its outputs there."""
         table = self.sampling
         temperature = table.temperature[rows]
         random = np.flatnonzero(temperature >= GREEDY_EPS)
         penalized = np.flatnonzero(table.penalties[rows])
-        views = [self.prompt_and_output(int(rows[i])) for i in penalized]
-        below_min = np.flatnonzero(self.num_tokens[rows] - self.num_prompt_tokens[rows]
-                                   < table.min_tokens[rows])
+        ends = self.num_tokens[rows] if offsets is None else self.num_tokens[rows] + offsets
+        views = [self.prompt_and_output(int(rows[i]), int(ends[i])) for i in penalized]
+        below_min = np.flatnonzero(ends - self.num_prompt_tokens[rows] < table.min_tokens[rows])
         return SamplingMetadata(
             temperature=temperature, all_greedy=not len(random), top_k=table.top_k[rows],
             top_p=table.top_p[rows], min_p=table.min_p[rows],

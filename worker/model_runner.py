@@ -1,6 +1,7 @@
 """Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from protocol.engine_config import EngineConfig
@@ -9,12 +10,15 @@ from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
 from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.input_batch import InputBatch, StepProtocolError
+from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.models.loader import load_model
 from worker.models.registry import load_model_config
+from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
-from worker.step_inputs import prepare_step
+from worker.sample.spec_decode_metadata import SpecDecodeMetadata
+from worker.spec_decode.draft_model import DraftModelProposer
+from worker.step_inputs import StepInputs, prepare_step
 
 
 class ModelRunner:
@@ -41,13 +45,22 @@ class ModelRunner:
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len)
         self.kv_cache_spec = self.model.kv_cache_spec()
+        self.sampler = Sampler(config.seed, self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        spec = config.speculative_config
+        self.drafter: DraftModelProposer | None = None  # a draft model, with its KV cache
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModelProposer(spec.model, self.model_config, self.dtype,
+                                              self.device, self.tp, self.attention,
+                                              self.max_model_len, self.sampler.generator)
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
                                            self.block_size, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
         self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
                                       num_kv_blocks=self.num_blocks,
                                       vocab_size=self.model_config.vocab_size)
-        self.sampler = Sampler(config.seed, self.device)
         self.last_step = 0
 
     def _max_model_len(self) -> int:
@@ -60,6 +73,8 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
+        if self.drafter is not None:  # its cache has the same blocks
+            block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
         max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         return determine_num_blocks(
             block_bytes, self.device, max_useful=max_useful,
@@ -80,29 +95,54 @@ class ModelRunner:
         step = prepare_step(self.input_batch, so)
         self.attention.plan(step.metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        tokens, logprobs = self._sample(so, step, hidden)
+        output = _output(step.req_ids, step.sampled, tokens, logprobs, so.step)
+        if self.drafter is not None:
+            output.draft_token_ids = self.drafter.propose(self.input_batch, step,
+                                                          so.num_spec_tokens_to_propose)
+        return output
+
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                ) -> tuple[list[list[int]], list | None]:
+        """Tokens (and logprobs, where asked) of the step's sampled requests, in order: one
+        each in a plain step, 1 to d + 1 each once a speculative step verified their drafts.
+        The persistent batch takes them."""
         sampled_rows = step.rows[step.sampled]
         if not len(sampled_rows):  # only prefill chunks short of their prompts' ends
-            return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], step=so.step)
+            return [], None
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if step.num_drafts is not None:
+            return self._verify(so, step, sampled_rows, logits)
         tokens, logprobs = self.sampler.sample(
             logits, self.input_batch.sampling_metadata(sampled_rows))
         self.input_batch.append_tokens(sampled_rows, tokens)
-        return _output(step.req_ids, step.sampled.nonzero()[0].tolist(), tokens, logprobs,
-                       so.step)
+        return ([[token] for token in tokens],
+                logprobs and [[e] if e is not None else None for e in logprobs])
+
+    def _verify(self, so: SchedulerOutput, step: StepInputs, sampled_rows: np.ndarray,
+                logits: torch.Tensor) -> tuple[list[list[int]], list | None]:
+        """A speculative step's tokens: verify each sampled request's drafts."""
+        drafts = step.num_drafts[step.sampled]
+        spec = SpecDecodeMetadata(drafts, as_array(so.scheduled_spec_decode_tokens.token_ids))
+        if self.drafter is not None:
+            spec.draft_probs = self.drafter.draft_probs(sampled_rows, spec)
+        metadata = self.input_batch.sampling_metadata(np.repeat(sampled_rows, drafts + 1),
+                                                      spec.row_offsets())
+        tokens, logprobs = self.rejection_sampler(logits, metadata, spec)
+        self.input_batch.append_verified(sampled_rows, tokens, drafts)
+        return tokens, logprobs
 
 
-def _output(req_ids: list[int], positions: list[int], tokens: list[int],
+def _output(req_ids: list[int], sampled: np.ndarray, tokens: list[list[int]],
             logprobs: list | None, step: int) -> ModelRunnerOutput:
-    """One list per request: its sampled token at `positions`, nothing for the others."""
-    if len(positions) == len(req_ids):  # every request sampled: the usual decode step
-        sampled = [[token] for token in tokens]
-    else:
-        sampled = [[] for _ in req_ids]
-        for i, token in zip(positions, tokens):
-            sampled[i] = [token]
-    per_request = None
-    if logprobs is not None:
-        per_request = [None] * len(req_ids)
-        for i, entry in zip(positions, logprobs):
-            per_request[i] = [entry] if entry is not None else None
-    return ModelRunnerOutput(req_ids, sampled, per_request, step=step)
+    """One list per request: the tokens of the sampled ones, nothing for the others."""
+    if len(tokens) == len(req_ids):  # every request sampled: the usual decode step
+        return ModelRunnerOutput(req_ids, tokens, logprobs, step=step)
+    positions = np.flatnonzero(sampled).tolist()
+    full: list[list[int]] = [[] for _ in req_ids]
+    per_request = None if logprobs is None else [None] * len(req_ids)
+    for j, i in enumerate(positions):
+        full[i] = tokens[j]
+        if per_request is not None:
+            per_request[i] = logprobs[j]
+    return ModelRunnerOutput(req_ids, full, per_request, step=step)

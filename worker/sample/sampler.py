@@ -42,17 +42,13 @@ class Sampler:
         token_list = tokens.tolist()
         if raw is None:
             return token_list, None
-        return token_list, [_logprobs(raw[i], token_list[i], int(n)) if n >= 0 else None
+        return token_list, [sample_logprobs(raw[i], token_list[i], int(n)) if n >= 0 else None
                             for i, n in enumerate(want_logprobs)]
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata,
                        rows: np.ndarray) -> torch.Tensor:
         """logits: [len(rows), vocab] of the metadata's (non-greedy) `rows`."""
-        temperature = torch.from_numpy(metadata.temperature[rows]).to(logits.device)
-        logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p_min_p(logits, metadata.top_k[rows], metadata.top_p[rows],
-                                         metadata.min_p[rows])
-        probs = torch.softmax(logits, dim=-1)
+        probs = probabilities(logits, metadata, rows)
         # Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p. Seeded requests
         # draw from their own generator, so their tokens do not depend on the batch.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -62,6 +58,17 @@ class Sampler:
                 noise[i].exponential_(generator=generator)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
+                  rows: np.ndarray) -> torch.Tensor:
+    """The distribution random sampling draws from: logits [len(rows), vocab] (processed) of
+    the metadata's (non-greedy) `rows`, at their temperature, within top-k, top-p and min-p."""
+    temperature = torch.from_numpy(metadata.temperature[rows]).to(logits.device)
+    logits = logits / temperature[:, None]
+    logits = apply_top_k_top_p_min_p(logits, metadata.top_k[rows], metadata.top_p[rows],
+                                     metadata.min_p[rows])
+    return torch.softmax(logits, dim=-1)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
@@ -88,7 +95,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.n
     return logits
 
 
-def _logprobs(logprobs: torch.Tensor, token: int, n: int) -> SampleLogprobs:
+def sample_logprobs(logprobs: torch.Tensor, token: int, n: int) -> SampleLogprobs:
+    """The entry of one sampled `token`: logprobs [vocab] are the raw log-softmax."""
     top = torch.topk(logprobs, min(n, logprobs.shape[-1])) if n > 0 else None
     chosen = float(logprobs[token])
     rank = int((logprobs > chosen).sum()) + 1

@@ -1,0 +1,1 @@
+"""Speculative decoding in the worker: the draft model that proposes tokens."""
