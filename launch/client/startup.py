@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
+
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
-from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
+from launch.processing.tokenizer import load_tokenizer, read_json, stop_token_ids_of
 from protocol import EngineConfig
 
 
@@ -19,7 +21,7 @@ def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient,
     if not os.path.isdir(model):
         raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
                          "(nothing is downloaded from a model hub)")
-    config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
+    config = with_draft_model(EngineConfig.create(model=os.path.abspath(model), **engine_args))
     engine = EngineClient(config)  # the processes start while we load the tokenizer
     try:
         tokenizer = load_tokenizer(config.model)
@@ -30,3 +32,28 @@ def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient,
         raise
     return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
                                   config.max_logprobs)
+
+
+def with_draft_model(config: EngineConfig) -> EngineConfig:
+    """`config` with its draft model (if any) resolved to a directory, like the target, and
+    checked to share the target's vocabulary: a mismatch is refused here, before any process
+    starts."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return config
+    draft = resolve_model(spec.model)
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        raise ValueError(f"speculative_config: the draft model must be a Hugging Face style "
+                         f"directory, got {spec.model!r}")
+    draft = os.path.abspath(draft)
+    sizes = [read_json(os.path.join(d, "config.json")).get("vocab_size")
+             for d in (config.model, draft)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has a vocabulary "
+                         f"of {sizes[1]} tokens, the target {sizes[0]}: they must share one")
+    tokenizers = [load_tokenizer(d) for d in (config.model, draft)]
+    if None not in tokenizers and tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} has another "
+                         "tokenizer vocabulary than the target: they must share one")
+    return msgspec.structs.replace(config, speculative_config=msgspec.structs.replace(
+        spec, model=draft))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from launch.metrics.stats import IterationStats
+from protocol import SpecDecodingStats
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 _TTFT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -51,6 +52,14 @@ class PrometheusStatLogger:
                                "Arrival to first scheduled in the engine core.",
                                _REQUEST_BUCKETS)
         self._last_preemptions = 0
+        self.spec_decode = {  # SpecDecodingStats field -> counter
+            "num_drafts": counter("vllm:spec_decode_num_drafts",
+                                  "Verifications of a request's draft tokens."),
+            "num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens",
+                                        "Draft tokens verified."),
+            "num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
+                                           "Draft tokens the target model accepted.")}
+        self._last_spec_decode = dict.fromkeys(self.spec_decode, 0)
 
     def record(self, stats: IterationStats) -> None:
         s = stats.scheduler
@@ -61,6 +70,8 @@ class PrometheusStatLogger:
             if s.num_preemptions > self._last_preemptions:  # the engine's count is cumulative
                 self.preemptions.inc(s.num_preemptions - self._last_preemptions)
                 self._last_preemptions = s.num_preemptions
+            if s.spec_decoding is not None:
+                self._record_spec_decoding(s.spec_decoding)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
@@ -75,3 +86,11 @@ class PrometheusStatLogger:
             self.e2e.observe(done.e2e_s)
             if done.queue_s is not None:
                 self.queue.observe(done.queue_s)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        """The engine's counts are cumulative: each counter takes what is new."""
+        for name, counter in self.spec_decode.items():
+            value = getattr(spec, name)
+            if value > self._last_spec_decode[name]:
+                counter.inc(value - self._last_spec_decode[name])
+                self._last_spec_decode[name] = value

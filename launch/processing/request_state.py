@@ -82,6 +82,8 @@ class RequestState:
         seq = self.sequences[index]
         if seq.output.finished():
             return False  # e.g. the abort echo of a sequence a stop string already ended
+        if len(out.new_token_ids) > 1 and seq.params.stop and seq.detokenizer is not None:
+            return self._update_token_by_token(index, out, tokenizer)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         result = seq.output
         result.token_ids += out.new_token_ids
@@ -105,6 +107,24 @@ class RequestState:
         if out.finish_reason is not None:
             result.finish_reason, result.stop_reason = out.finish_reason, (
                 out.stop_reason if out.error is None else out.error)
+        return False
+
+    def _update_token_by_token(self, index: int, out: EngineCoreOutput,
+                               tokenizer: Any | None) -> bool:
+        """An output of several tokens (speculative decoding) for a sequence with stop
+        strings: applied one token at a time, so a stop string ends the sequence at the token
+        that completes it, in its token ids and logprobs as in its text."""
+        last = len(out.new_token_ids) - 1
+        for k, token in enumerate(out.new_token_ids):
+            final = k == last
+            part = msgspec.structs.replace(
+                out, new_token_ids=[token], logprobs=out.logprobs[k:k + 1] if out.logprobs
+                else None, finish_reason=out.finish_reason if final else None,
+                stop_reason=out.stop_reason if final else None,
+                error=out.error if final else None)
+            ended_here = self.update(index, part, tokenizer)
+            if self.sequences[index].output.finished():
+                return ended_here and out.finish_reason is None
         return False
 
     def finish_all(self, reason: str, stop_reason: str | None = None) -> None:
