@@ -18,6 +18,8 @@ class StepRow:
     tokens: int
     kv_blocks: int  # distinct blocks held by live requests after this step's allocations
     gap_ms: float  # time since the previous step was sent
+    drafts: int = 0  # draft tokens verified (speculative decoding)
+    accepted: int = 0  # of which the target accepted (from rank 0's answer)
 
 
 def step_rows(run: RecordedRun) -> list[StepRow]:
@@ -43,8 +45,20 @@ def step_rows(run: RecordedRun) -> list[StepRow]:
         rows.append(StepRow(so.step, len(so.scheduled_new_reqs), cached.num_reqs,
                             len(cached.resumed_req_ids), len(so.preempted_req_ids),
                             len(so.finished_req_ids), so.total_num_scheduled_tokens,
-                            len({b for blocks in owned.values() for b in blocks}), gap))
+                            len({b for blocks in owned.values() for b in blocks}), gap,
+                            *_verified(s)))
     return rows
+
+
+def _verified(step: RecordedStep) -> tuple[int, int]:
+    """(draft tokens the step verified, how many the target accepted)."""
+    spec = step.scheduler_output.scheduled_spec_decode_tokens
+    if spec is None:
+        return 0, 0
+    answer = step.model_runner_output
+    emitted = dict(zip(answer.req_ids, map(len, answer.sampled_token_ids))) if answer else {}
+    drafts = sum(spec.num_tokens)
+    return drafts, sum(max(emitted.get(h, 0) - 1, 0) for h in spec.req_ids)
 
 
 def show(path: str, out: Print = print) -> int:
@@ -53,11 +67,13 @@ def show(path: str, out: Print = print) -> int:
     total = run.ready.num_blocks - 1 if run.ready else "?"
     out(f"{path}: {config.model}, tensor parallel {run.header.world_size}, "
         f"{len(run.steps)} steps, {total} usable KV blocks of {config.block_size} tokens")
+    spec = config.speculative_config is not None  # then also drafts verified, accepted
     out(f"{'step':>6} {'new':>4} {'cached':>6} {'resumed':>7} {'preempt':>7} {'finish':>6} "
-        f"{'tokens':>6} {'kv_blocks':>9} {'gap_ms':>8}")
+        f"{'tokens':>6} {'kv_blocks':>9} {'gap_ms':>8}" + (" drafts accepted" if spec else ""))
     for r in step_rows(run):
         out(f"{r.step:>6} {r.new:>4} {r.cached:>6} {r.resumed:>7} {r.preempted:>7} "
-            f"{r.finished:>6} {r.tokens:>6} {r.kv_blocks:>9} {r.gap_ms:>8.2f}")
+            f"{r.finished:>6} {r.tokens:>6} {r.kv_blocks:>9} {r.gap_ms:>8.2f}"
+            + (f" {r.drafts:>6} {r.accepted:>8}" if spec else ""))
     if run.damage is not None:
         out(f"error: {run.damage}")
         return 1

@@ -71,7 +71,13 @@ def _compare_outputs(recorded: ModelRunnerOutput | None, got: ModelRunnerOutput,
     lines = [f"  request {names.get(h, '?')} (handle {h}): recorded {a}, replayed {b}"
              for h, a, b in zip(got.req_ids, recorded.sampled_token_ids, got.sampled_token_ids)
              if a != b]
+    if recorded.draft_token_ids != got.draft_token_ids:
+        lines.append(f"  draft proposals: recorded {_drafts(recorded)}, replayed {_drafts(got)}")
     return "\n".join(lines)
+
+
+def _drafts(output: ModelRunnerOutput) -> dict[int, list[int]] | None:
+    return None if output.draft_token_ids is None else output.draft_token_ids.as_dict()
 
 
 def replay_scheduler(path: str, out: Print = print, allow_truncated: bool = False) -> int:
@@ -126,10 +132,12 @@ def dump_step(path: str, step: int, out_dir: str, out: Print = print,
             return 0
         answer = recorded.model_runner_output
         if answer is not None:  # the tokens the workers appended after this step
-            sampled = [(h, t[0]) for h, t in zip(answer.req_ids, answer.sampled_token_ids) if t]
-            if sampled:
-                handles, tokens = zip(*sampled)
-                batch.append_tokens(batch.rows_of(list(handles)), list(tokens))
+            tokens = [t for t in answer.sampled_token_ids if t]  # the sampled ones, in order
+            rows = inputs.rows[inputs.sampled]
+            if inputs.num_drafts is not None:
+                batch.append_verified(rows, tokens, inputs.num_drafts[inputs.sampled])
+            elif tokens:
+                batch.append_tokens(rows, [t[0] for t in tokens])
     out(f"step {step} is not in the journal (steps 1..{len(run.steps)})")
     return 1
 

@@ -94,7 +94,11 @@ def draw(path: str, output: str) -> int:
     fig.suptitle(f"{path}: {len(ids)} requests, {len(steps)} steps")
     top.legend(handles=[Patch(color=c, label=t) for c, t in zip(COLORS[1:], LABELS[1:])],
                loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=8, ncol=6, frameon=False)
-    mid.bar(steps, [r.tokens for r in rows], width=1.0, color="#3b6fd4")
+    mid.bar(steps, [r.tokens for r in rows], width=1.0, color="#3b6fd4", label="scheduled")
+    if any(r.drafts for r in rows):  # speculative decoding: accepted draft tokens per step
+        mid.bar(steps, [r.accepted for r in rows], width=1.0, color="#3aa655",
+                label="accepted drafts")
+        mid.legend(loc="upper right", fontsize=8, frameon=False)
     mid.set_ylabel("tokens/step")
     total = (run.ready.num_blocks - 1) if run.ready else max((r.kv_blocks for r in rows), default=0)
     low.plot(steps, [r.kv_blocks / max(total, 1) * 100 for r in rows], color="#d9453b")
