@@ -30,7 +30,8 @@ class RequestTable:
     COLUMNS = ("num_computed", "num_tokens", "placeholders", "num_spec", "length_end",
                "slot_end", "publish_end")
 
-    def __init__(self, rows: int = 64) -> None:
+    def __init__(self, rows: int = 64, speculative: bool = False) -> None:
+        self.speculative = speculative  # num_spec may be non-zero (else it is never read)
         self.num_computed = np.zeros(rows, np.int64)
         self.num_tokens = np.zeros(rows, np.int64)
         self.placeholders = np.zeros(rows, np.int64)
@@ -81,7 +82,9 @@ class RequestTable:
         `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
-        n = tokens + pending + self.num_spec[handles] - computed
+        n = tokens + pending - computed
+        if self.speculative:
+            n += self.num_spec[handles]
         if long_prefill_token_threshold > 0:
             np.minimum(n, long_prefill_token_threshold, out=n)
         np.minimum(n, max_model_len - 1 - computed, out=n)
@@ -91,7 +94,9 @@ class RequestTable:
         left = np.maximum(budget - (np.cumsum(n) - n), 0)
         take = np.minimum(n, left)
         end = computed + take
-        slots = np.minimum(end + num_lookahead_tokens, max_model_len)
+        slots = end  # the slots it needs: with a draft model's lookahead, too
+        if num_lookahead_tokens:
+            slots = np.minimum(end + num_lookahead_tokens, max_model_len)
         needs_kv = (take > 0) & ((slots > self.slot_end[handles])
                                  | (end >= self.publish_end[handles]))
         return take, needs_kv

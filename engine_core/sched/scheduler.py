@@ -57,7 +57,8 @@ class Scheduler:
         self.finished_req_ids: list[int] = []  # handles to announce in the next step
         self.handles = HandleAllocator()
         self.requests_by_handle: dict[int, Request] = {}
-        self.table = RequestTable()  # counters of requests with a handle
+        # Counters of requests with a handle.
+        self.table = RequestTable(speculative=scheduler_config.speculative_config is not None)
         self._handles_of_running: np.ndarray | None = None  # cache of _running_handles()
         self.step = 0
         self.num_preemptions = 0
@@ -191,8 +192,8 @@ class Scheduler:
         new_block_ids: dict[int, list[int]] = {}
         for i in np.flatnonzero(needs_kv).tolist():
             request, n = running[start + i], int(take[i])
-            block_ids = kv.allocate_slots(request, n,
-                                          num_lookahead_tokens=self._lookahead(request, n))
+            lookahead = self._lookahead(request, n) if self.num_lookahead_tokens else 0
+            block_ids = kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
             if block_ids is None:
                 plan.add_running_pass(handles[:i], take[:i], running, start, new_block_ids)
                 block_ids = self._preempt_until_fits(request, n, plan)
