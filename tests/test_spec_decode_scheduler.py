@@ -70,21 +70,23 @@ def test_ngram_minimum_length():
     assert NgramProposer(2, 3).propose(tokens, 2) == []
 
 
-def test_draft_length_adapts():
+def test_draft_length_follows_acceptance_and_batch_size():
     state = DraftState(8)
-    assert state.next_length() == 8
+    # A first guess of 0.7 per token: far alone, a little in a batch of 16, not at all in 256
+    # (a draft token then costs about what it is likely to save).
+    assert [state.next_length(batch) for batch in (1, 4, 16)] == [6, 3, 2]
+    for _ in range(4):
+        state.observe(8, 8)
+    assert state.next_length(16) == state.next_length(256) == 8  # its text follows its drafts
     state.observe(8, 2)
-    assert state.next_length() == 3  # one more than accepted
-    state.observe(3, 3)
-    assert state.next_length() == 6  # doubles while all are accepted
-    state.observe(6, 0)
-    assert state.next_length() == 1
-    state.observe(1, 0)  # a second miss in a row: a pause of one proposal, then one token
-    assert [state.next_length() for _ in range(2)] == [0, 1]
-    state.observe(1, 0)
-    assert [state.next_length() for _ in range(3)] == [0, 0, 1]
+    assert state.next_length(1) == 8 and state.next_length(16) == 2
+    for _ in range(5):
+        state.observe(2, 0)
+    # Rejected outright: no proposals in a batch of 16, but a one-token probe after 1, 2, 4
+    # steps without one.
+    assert [state.next_length(16) for _ in range(7)] == [1, 0, 1, 0, 0, 0, 1]
     state.observe(1, 1)
-    assert state.next_length() == 2 and state.misses == 0
+    assert state.probe_interval == 1 and state.next_length(1) > 1
 
 
 # --- scheduling and rollback -----------------------------------------------------------------

@@ -75,8 +75,11 @@ class Speculator:
         """Per scheduled request (new, then known): draft tokens the workers propose after
         the step, for those that reach their last known token in it (None: none)."""
         requests, _, counts = plan.scheduled()
-        lengths = [self._wanted(request) if request.num_computed_tokens + n >= request.num_tokens
-                   else 0 for request, n in zip(requests, counts.tolist())]
+        ends = [request.num_computed_tokens + n >= request.num_tokens
+                for request, n in zip(requests, counts.tolist())]
+        batch = sum(ends)
+        lengths = [self._wanted(request, batch) if end else 0
+                   for request, end in zip(requests, ends)]
         return IntColumn.narrowest(lengths) if any(lengths) else None
 
     # --- update -----------------------------------------------------------------------------
@@ -117,20 +120,22 @@ class Speculator:
 
     def _propose_ngrams(self, output: ModelRunnerOutput) -> None:
         by_handle, ngram = self.requests_by_handle, self.ngram
-        for handle, tokens in zip(output.req_ids, output.sampled_token_ids):
-            request = by_handle.get(handle) if tokens else None
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            k = self._wanted(request)
+        decoding = [request for handle, tokens in zip(output.req_ids, output.sampled_token_ids)
+                    if tokens and (request := by_handle.get(handle)) is not None
+                    and request.status == RequestStatus.RUNNING]
+        for request in decoding:
+            k = self._wanted(request, len(decoding))
             if k:
                 state: DraftState = request.spec_state
                 self._give(request, ngram.propose(state.synced_tokens(request.all_token_ids), k))
 
-    def _wanted(self, request: Request) -> int:
-        """How many draft tokens the request proposes now: its adapted length, within what
-        it may still emit."""
+    def _wanted(self, request: Request, batch_size: int) -> int:
+        """How many draft tokens the request proposes now, in a step of `batch_size` decoding
+        requests: its adapted length, within what it may still emit."""
         room = _room(request)
-        return min(_state(request, self.config).next_length(), room) if room > 0 else 0
+        if room <= 0:
+            return 0
+        return min(_state(request, self.config).next_length(batch_size), room)
 
     def _give(self, request: Request, tokens: list[int]) -> None:
         if tokens:
