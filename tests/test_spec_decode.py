@@ -95,8 +95,9 @@ def test_greedy_output_is_identical_to_speculation_off(baseline, models, method)
     if method != "draft_model":  # (the poor draft may never be right)
         assert counts.num_accepted_tokens > 0, counts
     assert stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"
-    if method == "draft_is_target":  # the same model proposes what it then accepts
-        assert counts.num_accepted_tokens > 0.9 * counts.num_draft_tokens, counts
+    if method == "draft_is_target":  # the same model proposes what it then accepts (but
+        # without the penalties some requests ask for: those it proposes less well)
+        assert counts.num_accepted_tokens > 0.8 * counts.num_draft_tokens, counts
 
 
 def _exact_second_token(model: str, prompt: list[int], temperature: float) -> np.ndarray:

@@ -80,7 +80,7 @@ class DraftModelProposer:
         """After the target's step (its tokens appended): catch up on what the step made
         known and propose `num_to_propose[i]` tokens (capped by slots) for request i."""
         rows = step.rows
-        k = self._capped(batch, rows, num_to_propose)
+        k = self._capped(batch, rows, num_to_propose) * step.sampled
         end = batch.num_computed[rows] + (k > 0)
         counts = end - step.computed
         positions, metadata = attention_inputs(batch, rows, step.computed, counts)
