@@ -6,7 +6,7 @@ stderr, so the request/reply stream stays clean. Each op times itself, so the pi
 inside a timed region. Ops:
   offline_init {model, dtype, max_model_len, max_num_seqs, kv_cache_memory_bytes,
                 max_num_batched_tokens?}              -> {version, config}
-  generate {prompts: [[ids]], max_tokens}             -> {seconds, token_ids}   (generate only)
+  generate {prompts: [[ids]], max_tokens, ignore_eos?} -> {seconds, token_ids}  (generate only)
   sched_init {num_requests, prompt_len, block_size, enable_prefix_caching, max_tokens}
   sched_round {steps}                 -> {us: [per-step schedule + update], running}
   quit
@@ -45,11 +45,11 @@ def offline_init(model: str, dtype: str, max_model_len: int, max_num_seqs: int,
         "dtype": str(config.model_config.dtype)}}
 
 
-def generate(prompts: list[list[int]], max_tokens: int) -> dict:
+def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     start = time.perf_counter()
     outs = STATE["llm"].generate(inputs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
