@@ -27,8 +27,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name",
-                        help="the model name clients use (default: the model directory's name)")
+    parser.add_argument("--served-model-name", nargs="+",
+                        help="the model name(s) clients may send; the first is reported in "
+                             "responses and metrics (default: --model, exactly as given)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
                         "but /health, /version and /metrics (prefer $DELTASERVE_API_KEY or "
                         "--api-key-file: a flag's value is visible to every local user in ps)")
@@ -130,7 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     from launch.metrics.prometheus import PrometheusStatLogger
     from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    names = args.served_model_name or [args.model]
+    name = names[0]
     api_key = api_key_of(args)
     limits = http_limits(args)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -140,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
-        app = build_app(engine, name, api_key=api_key, metrics=metrics, limits=limits,
+        app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
                         chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,

@@ -35,9 +35,9 @@ from launch.processing.request_stream import RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor,
-                 template: ChatTemplate | None) -> None:
-        super().__init__(engine, served_model_name, input_executor)
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 input_executor: Executor, template: ChatTemplate | None) -> None:
+        super().__init__(engine, served_model_names, input_executor)
         self.template = template
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:

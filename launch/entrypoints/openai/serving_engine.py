@@ -38,16 +38,18 @@ LARGE_RESPONSE_ENTRIES = 1 << 14
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor
-                 ) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 input_executor: Executor) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        self.model_names = served_model_names
+        self.model_name = served_model_names[0]  # the name responses report
         self.input_executor = input_executor  # one thread: tokenizing and templates
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", "model", "model_not_found")
+                           f"{' or '.join(map(repr, self.model_names))}", "model",
+                           "model_not_found")
 
     def check_alive(self) -> None:
         if self.engine.dead is not None:
