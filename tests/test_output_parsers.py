@@ -116,3 +116,67 @@ def test_unknown_parser_names():
         get_tool_parser("mistral_v9")
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("o1")
+
+
+def _answer_stream(parser, pieces: list[str]) -> dict:
+    stream = parser.stream()
+    got = {"reasoning": "", "content": "", "calls": []}
+    for delta in [*(stream.feed(p) for p in pieces), stream.finish()]:
+        got["reasoning"] += delta.reasoning
+        got["content"] += delta.content
+        for d in delta.tool_calls:
+            if d.name is not None:
+                got["calls"].append([d.name, d.arguments])
+            else:
+                got["calls"][d.index][1] += d.arguments
+    return got
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}}]
+
+
+@pytest.mark.parametrize("tool_choice,reasoning,text,want", [
+    ("auto", "qwen3", f"<think>weather?</think>\n<tool_call>{WEATHER}</tool_call>",
+     ("weather?", None, [["get_weather", '{"city": "Paris", "unit": "celsius"}']])),
+    ("required", None, '[{"name": "get_time", "parameters": {}}, '
+     '{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+     (None, None, [["get_time", "{}"], ["get_weather", '{"city": "Oslo"}']])),
+    ({"type": "function", "function": {"name": "get_weather"}}, None, '{"city":"Rome"}',
+     (None, None, [["get_weather", '{"city":"Rome"}']])),
+    ("none", "deepseek_r1", "hmm</think>It is sunny.", ("hmm", "It is sunny.", [])),
+])
+def test_chat_answers_whole_and_streamed(tool_choice, reasoning, text, want):
+    from launch.entrypoints.openai.chat_answer import ChatAnswerParser
+    from launch.entrypoints.openai.tool_choice import parse_tool_choice
+    choice = parse_tool_choice(TOOLS, tool_choice, None)
+    parser = ChatAnswerParser(choice, get_tool_parser("hermes"),
+                              get_reasoning_parser(reasoning) if reasoning else None)
+    answer = parser.parse(text)
+    assert (answer.reasoning, answer.content,
+            [[c.name, c.arguments] for c in answer.tool_calls]) == want
+    rng = random.Random(7)
+    for _ in range(30):
+        got = _answer_stream(parser, _cuts(text, rng))
+        assert (got["reasoning"] or None, got["content"] or None, got["calls"]) == want
+
+
+def test_tool_choice_schema_and_refusals():
+    from launch.entrypoints.openai.errors import APIError
+    from launch.entrypoints.openai.tool_choice import parse_tool_choice
+    required = parse_tool_choice(TOOLS, "required", False).schema()
+    assert required["type"] == "array" and required["maxItems"] == 1
+    names = [item["properties"]["name"]["const"] for item in required["items"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    named = parse_tool_choice(TOOLS, {"type": "function", "function": {"name": "get_time"}},
+                              None)
+    assert named.schema() == {"type": "object"}
+    assert parse_tool_choice(None, None, None).mode == "none"
+    assert parse_tool_choice(TOOLS, None, None).mode == "auto"
+    for tools, choice in ((TOOLS, {"type": "function", "function": {"name": "nope"}}),
+                          (None, "required"), (TOOLS, "sometimes"), ([{"type": "x"}], None),
+                          (TOOLS + TOOLS[:1], None)):
+        with pytest.raises(APIError) as e:
+            parse_tool_choice(tools, choice, None)
+        assert e.value.status == 400 and e.value.param in ("tools", "tool_choice")
