@@ -63,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
+    structured_outputs_compile_timeout_s: Annotated[float, _opt(
+        "a structured-output grammar that has not compiled after this long fails its "
+        "request")] = 10.0
 
     def __post_init__(self) -> None:
         for field in msgspec.structs.fields(self):
@@ -88,7 +91,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.worker_address is not None and self.worker_secret_file is None:
             raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
                              "network must prove they belong to this engine")
-        for name in ("startup_timeout_s", "step_timeout_s"):
+        for name in ("startup_timeout_s", "step_timeout_s",
+                     "structured_outputs_compile_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for rank in self.local_ranks or ():
