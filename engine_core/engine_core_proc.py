@@ -24,9 +24,11 @@ from protocol import (
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    GrammarsCompiled,
     ProtocolError,
     ShutdownEngine,
 )
+from protocol.journal import ENGINE_CORE
 from protocol.journal_header import open_journal
 from protocol.request_salvage import readable_request_ids
 
@@ -56,6 +58,8 @@ class EngineCoreProc:
         self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_address)
         self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
+        self.poller = zmq.Poller()  # the input socket, and the engine's wakeup fd once started
+        self.poller.register(self.input, zmq.POLLIN)
         self.journal = open_journal(config) if config.record_path else None
         self.workers = WorkerGroup(config, self.context, runtime_dir,
                                    self.journal.record if self.journal else None)
@@ -75,6 +79,8 @@ class EngineCoreProc:
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self._send(EngineFailed(f"engine_core failed: {type(e).__name__}: {e}"))
         finally:
+            if self.engine is not None:
+                self.engine.structured_output.shutdown()
             self.workers.shutdown()
             if self.journal is not None:
                 self.journal.close()
@@ -93,6 +99,7 @@ class EngineCoreProc:
                                ready.attention_backend))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
                     ready.max_model_len, ready.num_blocks, c.block_size)
+        self.poller.register(engine.structured_output.wakeup_fd, zmq.POLLIN)
         return engine
 
     def _loop(self) -> None:
@@ -105,7 +112,16 @@ class EngineCoreProc:
                 if isinstance(message, ShutdownEngine):
                     engine.finish_in_flight()
                     return
+                if isinstance(message, GrammarsCompiled):  # ours to say, never the front-end's
+                    self.decoder.dropped.warn("dropped a GrammarsCompiled from the front-end")
+                    continue
                 outputs += engine.handle(message)
+            compiled = engine.poll_grammars()
+            if compiled is not None:  # an input like any other: journaled, then applied
+                if self.journal is not None:
+                    self.journal.record(Channel.FRONTEND_TO_CORE, self.decoder.encode(compiled),
+                                        self._step(), ENGINE_CORE)
+                outputs += engine.handle(compiled)
             outputs += self.refused
             self.refused = []
             if engine.has_work():
@@ -127,8 +143,11 @@ class EngineCoreProc:
         self.last_sent = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
-        return self.decoder.receive_all(self.input, timeout_ms, self._record_input,
-                                        self._refuse)
+        """The front-end's messages, waiting up to timeout_ms for the first one or for a
+        grammar compile to end."""
+        if timeout_ms:
+            self.poller.poll(timeout_ms)
+        return self.decoder.receive_all(self.input, 0, self._record_input, self._refuse)
 
     def _refuse(self, frame: bytes, error: ProtocolError) -> None:
         """An undecodable frame: every request id we can still read gets an error answer."""
