@@ -4,7 +4,9 @@ JSON whitespace rule (llguidance's JSON compile options, given as defaults, so a
 `"x-guidance"` options win): outside strings, exactly one space follows each `,` and `:` and
 there is no other whitespace, which is how `json.dumps` writes JSON; with
 `disable_any_whitespace`, none at all (`json.dumps(..., separators=(",", ":"))`). A model
-therefore cannot pad its JSON with whitespace until `max_tokens` runs out.
+therefore cannot pad its JSON with whitespace until `max_tokens` runs out. A schema that
+wants any whitespace says `"x-guidance": {"whitespace_flexible": true, "item_separator": ",",
+"key_separator": ":"}`.
 
 Grammars (`grammar`) are llguidance's Lark dialect: `start: ...` rules, "literals",
 /regexes/, `%ignore`, `%json {...}` for an embedded schema, and `<|special|>` tokens; GBNF
