@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import Any
 
 from protocol.sampling_params import SamplingParams
 
@@ -88,8 +89,9 @@ class Request:
         self.scheduled_time: float | None = None  # time.time() when first scheduled
         # Outputs before which stop tokens do not stop it (a grammar may waive the rest).
         self.min_tokens = sampling_params.min_tokens
-        # The constraint's matcher once its grammar is ready (None: unconstrained).
-        self.structured_output: object | None = None
+        # Its grammar state (a StructuredOutputRequest) once its grammar is ready; None while
+        # it waits for it, and always for an unconstrained request.
+        self.structured_output: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -64,9 +64,9 @@ class StructuredOutputManager:
     def poll(self) -> GrammarsCompiled | None:
         """The waiting requests whose compiles ended (or ran out of time) since the last
         call, in arrival order; None if there are none."""
+        self.compiler.drain_wakeups()  # also those of requests aborted meanwhile
         if not self.pending:
             return None
-        self.compiler.drain_wakeups()
         now, ready, failed = time.monotonic(), [], []
         for request_id, (request, task) in list(self.pending.items()):
             if request.is_finished():  # aborted while waiting: nothing to report
