@@ -24,8 +24,6 @@ from protocol.structured_outputs import StructuredOutputsError, StructuredOutput
 
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-# What a constraint's kind is called when its text is handed to llguidance.
-_FORMATS = {"regex": "regex", "grammar": "grammar", "choice": "choice"}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -38,7 +36,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             schema = _schema(params) if kind == "json" else params.spec
             options = _COMPACT if params.disable_any_whitespace else _SPACED
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        return llguidance.grammar_from(_FORMATS[kind], params.spec)
+        return llguidance.grammar_from(kind, params.spec)  # "regex", "choice", "grammar"
     except StructuredOutputsError:
         raise
     except (ValueError, TypeError) as e:
@@ -53,7 +51,7 @@ def check_grammar(params: StructuredOutputsParams) -> None:
         raise StructuredOutputsError(params.kind, error)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # keys hold up to 64 KiB of text each
 def _check(key: tuple[str, str, bool, bool | None]) -> str:
     import llguidance
     kind, spec, no_whitespace, no_additional = key
