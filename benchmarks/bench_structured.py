@@ -186,14 +186,17 @@ def report(args, sections: dict) -> None:
     print(f"\ndecode throughput, greedy, {args.out} output tokens per request "
           f"(output tok/s, median (min..max) of {args.rounds} interleaved rounds):")
     engines = sorted({k.split()[0] for r in sections["throughput"].values() for k in r})
-    print(f"{'requests':>9} " + "".join(f"{e + ' none':>26}{e + ' json':>26}{'json/none':>10}"
+    print("(json/none: the ratio of the medians, then the median (min..max) of the ratios of "
+          "each round's pair, which the load of a shared machine disturbs less)")
+    print(f"{'requests':>9} " + "".join(f"{e + ' none':>24}{e + ' json':>24}{'json/none':>24}"
                                         for e in engines))
     for batch, rates in sections["throughput"].items():
         cells = []
         for e in engines:
             none, js = rates[f"{e} none"], rates[f"{e} json"]
-            cells.append(f"{spread(none):>26}{spread(js):>26}"
-                         f"{statistics.median(js) / statistics.median(none):>10.2f}")
+            pairs = [j / n for j, n in zip(js, none)]
+            ratio = f"{statistics.median(js) / statistics.median(none):.2f}; {_ratios(pairs)}"
+            cells.append(f"{spread(none):>24}{spread(js):>24}{ratio:>24}")
         print(f"{batch:>9} " + "".join(cells))
     print(f"\nvalidity: {len(sections['validity_prompts'])} realistic chat prompts, greedy, "
           f"max_tokens {args.valid_tokens}")
@@ -201,6 +204,10 @@ def report(args, sections: dict) -> None:
         print(f"  {engine}: {r['valid']}/{r['requests']} valid JSON matching the schema, "
               f"{r['stopped']}/{r['requests']} finished (stop), {r['tok_per_s']:.1f} out tok/s; "
               f"e.g. {r['example']!r}")
+
+
+def _ratios(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
 
 
 def main() -> None:
