@@ -83,6 +83,15 @@ inline float hsum(Vec v) {
 // shuffle: out[2i], out[2i + 1] = interleave of v[i] and v[i + W/2] (low, high halves).
 #define SIMD_INLINE inline __attribute__((always_inline))  // keeps Vec arrays in registers
 
+// v, kept in a register: GCC otherwise folds a vector used by several multiply-adds into each
+// as a memory operand, one load per use, which makes load ports the bottleneck of a tile.
+SIMD_INLINE Vec in_register(Vec v) {
+#if defined(__SSE2__)
+    asm("" : "+v"(v));  // any vector register the target has
+#endif
+    return v;
+}
+
 template <int Half>
 SIMD_INLINE Vec interleave(Vec a, Vec b) {  // lanes Half*W/2 .. of a and b, alternating
     return [&]<int... I>(std::integer_sequence<int, I...>) {
