@@ -76,10 +76,10 @@ def _weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Te
     """qweight as [n, row_bytes] uint8 CPU bytes with contiguous rows (a view; raises
     otherwise)."""
     row = t.row_bytes(k)
-    if qweight.dtype != torch.uint8 or qweight.device.type != "cpu":
+    if qweight.dtype != torch.uint8 or not qweight.is_cpu:
         raise TypeError(f"qweight must be uint8 bytes on the CPU, not {qweight.dtype} on "
                         f"{qweight.device}")
-    if qweight.dim() == 2 and qweight.shape == (n, row) and qweight.stride(1) == 1:
+    if qweight.dim() == 2 and qweight.stride(1) == 1 and qweight.shape == (n, row):
         return qweight
     if qweight.dim() == 1 and qweight.is_contiguous() and qweight.numel() == n * row:
         return qweight.view(n, row)
@@ -99,21 +99,24 @@ class GgufOps:
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N])."""
-        t = gguf_type(qtype)
+        t = GGUF_TYPES.get(qtype) or gguf_type(qtype)
         w = _weight_rows(qweight, t, n, k)
-        x2 = _activation_rows(x, k)
+        x2 = x if x.dim() == 2 and x.stride(1) == 1 else _activation_rows(x, k)
+        if x2.dtype != torch.float32 or x2.shape[1] != k or not x2.is_cpu:
+            _activation_rows(x, k)  # raises (the fast path above skips the checks)
         m = x2.shape[0]
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs `out`")
             out = torch.empty((m, n), dtype=torch.float32)
-        elif (out.dtype != torch.float32 or out.shape != (m, n) or out.device.type != "cpu"
+        elif (out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu
               or (n > 1 and out.stride(1) != 1)):
             raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with contiguous rows")
         status = self._matmul(t.code, w.data_ptr(), w.stride(0), x2.data_ptr(), x2.stride(0),
-                              out.data_ptr(), out.stride(0), m, n, k, int(accumulate),
+                              out.data_ptr(), out.stride(0), m, n, k, accumulate,
                               torch.get_num_threads())
-        _check(status, "gguf_matmul")
+        if status:
+            _check(status, "gguf_matmul")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def dequantize(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
@@ -128,7 +131,7 @@ class GgufOps:
 
 def _activation_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """x as [M, K] float32 CPU rows, each contiguous (a view where x allows)."""
-    if x.dtype != torch.float32 or x.shape[-1] != k or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.shape[-1] != k or not x.is_cpu:
         raise ValueError(f"x must be float32 [..., {k}] on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
