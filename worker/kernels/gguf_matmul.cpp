@@ -46,6 +46,7 @@ namespace {
 constexpr int DIRECT_ROWS = DOT_ROWS;
 constexpr int PREFETCH_ROWS = 2 * DOT_GROUP;  // direct: prefetch this many weight rows ahead
 constexpr int64_t PARALLEL_WORK = 1 << 16;    // M * N * K below this: one thread
+constexpr int64_t X_BLOCK_BYTES = 512 << 10;  // strips: xᵀ rows per unit, ~this many bytes
 
 struct Args {
     const uint8_t* w; int64_t w_stride;
@@ -110,16 +111,17 @@ float* thread_buffer(int slot, int64_t size) {
     return b.data();
 }
 
-// y columns [n0, n0 + RN) (clipped to N) for all rows, from packed xᵀ tiles.
+// y columns [n0, n0 + RN) (clipped to N) × rows of xᵀ tiles [t0, t1), K chunk by K chunk.
 template <class Q, int NVM>
-void strip_unit(const Args& a, int64_t n0, int64_t tiles, const float* xt, float* stage) {
+void strip_unit(const Args& a, int64_t n0, int64_t t0, int64_t t1, const float* xt,
+                float* stage) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
     const int cols = static_cast<int>(std::min<int64_t>(RN, a.n - n0));
     float out[RN * MV];
     for (int64_t k0 = 0; k0 < a.k; k0 += KC) {
         const int64_t kc = std::min(KC, a.k - k0);
         decode_strip<Q, RN>(a.w, a.w_stride, a.n, n0, k0, kc, stage);
-        for (int64_t t = 0; t < tiles; ++t) {
+        for (int64_t t = t0; t < t1; ++t) {
             strip_tile<NVM, RN>(xt + (t * a.k + k0) * MV, stage, kc, out);
             store_transposed<MV>(out, static_cast<int>(std::min<int64_t>(MV, a.m - t * MV)),
                                  cols, a.y + t * MV * a.y_stride + n0, a.y_stride,
@@ -129,12 +131,15 @@ void strip_unit(const Args& a, int64_t n0, int64_t tiles, const float* xt, float
 }
 
 // The strips driver with xᵀ tiles of NVM vectors: all x packed first (threads split the
-// tiles), then threads split the weight strips; each strip runs every xᵀ tile, K chunk by
-// K chunk.
+// tiles), then threads split the units (block of xᵀ tiles of ~X_BLOCK_BYTES, which stays in
+// L2 across the strips of a unit range, × strip of weight rows; a thread's units are
+// consecutive strips of the same block).
 template <class Q, int NVM>
 void strips(const Args& a, bool parallel, int num_threads) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
     const int64_t tiles = (a.m + MV - 1) / MV, strips = (a.n + RN - 1) / RN;
+    const int64_t block = std::max<int64_t>(1, X_BLOCK_BYTES / (MV * a.k * 4));
+    const int64_t units = (tiles + block - 1) / block * strips;
     float* const xt = thread_buffer(0, tiles * MV * a.k);
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
@@ -143,7 +148,10 @@ void strips(const Args& a, bool parallel, int num_threads) {
             pack_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
         float* const stage = thread_buffer(1, RN * std::min(KC, a.k));
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < strips; ++s) strip_unit<Q, NVM>(a, s * RN, tiles, xt, stage);
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t t0 = u / strips * block;
+            strip_unit<Q, NVM>(a, u % strips * RN, t0, std::min(tiles, t0 + block), xt, stage);
+        }
     }
 }
 
