@@ -10,7 +10,7 @@
 // gguf_blocks.h.
 #pragma once
 
-constexpr int ACC = W == 16 ? 24 : 12;  // accumulators per tile (RN * NVM): registers - 2..8
+constexpr int ACC = W == 16 ? 24 : 12;  // accumulators per tile (RN * NVM) of 32 / 16 registers
 constexpr int64_t KC = 1024;            // K elements per stage (a multiple of every kElems)
 
 // out[0, kc) = elements [k0, k0 + kc) of one weight row (k0, kc multiples of Q::kElems).

@@ -191,6 +191,8 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: 
     ops = native()
     if ops is not None:
         return ops.matmul(x, qweight, qtype, n, k, out=out, accumulate=accumulate)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs `out`")
     y = _activation_rows(x, k) @ dequantize_reference(qweight, qtype, n, k).T
     if out is None:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
