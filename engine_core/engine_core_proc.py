@@ -164,5 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     become_child("deltaserve::engine_core", orphaned)
     configure_logging()
-    holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    try:
+        holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    except ValueError as e:  # e.g. an unreadable worker secret file: one line, no traceback
+        logger.error("engine core cannot start: %s", e)
+        return 2
     return holder[0].run()

@@ -152,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the rank that `args` (parsed with `add_worker_args`' flags) names until the engine
     lets it go; `parser` reports a missing secret."""
-    secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
-              else secret_from_environment())
+    try:
+        secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
+                  else secret_from_environment())
+    except ValueError as e:
+        parser.error(str(e))
     if secret is None:
         parser.error(f"a worker needs the engine's secret: --worker-secret-file or ${SECRET_ENV}")
     if os.environ.get("DELTASERVE_PARENT_PID"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from common.worker_auth import read_secret_file
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
@@ -20,6 +21,8 @@ def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient,
         raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
                          "(nothing is downloaded from a model hub)")
     config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
+    if config.worker_secret_file is not None:
+        read_secret_file(config.worker_secret_file)  # one clear line now, not in the engine
     engine = EngineClient(config)  # the processes start while we load the tokenizer
     try:
         tokenizer = load_tokenizer(config.model)
