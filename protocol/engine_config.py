@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.kv_events import KVEventsConfig, parse_kv_events_config
+
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -60,6 +62,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     worker_secret_file: Annotated[str | None, _opt(
         "file holding the secret workers prove themselves with; required with a tcp "
         "worker address (workers on other hosts read the same file)")] = None
+    kv_events_config: Annotated[KVEventsConfig | None, _opt(
+        "KV-cache events as vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true}' (ZeroMQ "
+        "PUB on tcp://127.0.0.1:5557)")] = None
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
@@ -91,19 +96,28 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("startup_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_scale_out()
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
                                  f"{self.tensor_parallel_size}")
 
+    def _check_scale_out(self) -> None:
+        if not isinstance(self.kv_events_config, (KVEventsConfig, type(None))):
+            raise ValueError("kv_events_config must be a KVEventsConfig (EngineConfig.create "
+                             "also takes JSON text or a dict)")
+
     @staticmethod
     def create(**options: Any) -> EngineConfig:
-        """Like the constructor, but an unknown option is a ValueError naming the known ones."""
+        """Like the constructor, but an unknown option is a ValueError naming the known ones,
+        and kv_events_config may be JSON text or a dict."""
         known = set(EngineConfig.__struct_fields__)
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}")
+        if "kv_events_config" in options:
+            options["kv_events_config"] = parse_kv_events_config(options["kv_events_config"])
         return EngineConfig(**options)
 
     @property
