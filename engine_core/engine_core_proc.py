@@ -69,7 +69,8 @@ class EngineCoreProc:
         try:
             events = self.config.kv_events_config
             if events is not None and events.enabled:
-                self.kv_events = KVEventPublisher(events, 0, self.context)
+                self.kv_events = KVEventPublisher(events, self.config.data_parallel_rank,
+                                                  self.context)
             self.engine = self._start()
             self._loop()
             return 0
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             holder[0].workers.kill_local()
         shutil.rmtree(args.runtime_dir, ignore_errors=True)
 
-    become_child("deltaserve::engine_core", orphaned)
+    replica = f"_dp{config.data_parallel_rank}" if config.data_parallel_size > 1 else ""
+    become_child(f"deltaserve::engine_core{replica}", orphaned)
     configure_logging()
     try:
         holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))

@@ -62,9 +62,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     worker_secret_file: Annotated[str | None, _opt(
         "file holding the secret workers prove themselves with; required with a tcp "
         "worker address (workers on other hosts read the same file)")] = None
+    data_parallel_size: Annotated[int, _opt(
+        "engine replicas, each an engine core with its own workers and KV cache; each new "
+        "request goes to the least loaded", aliases=["-dp"])] = 1
+    data_parallel_rank: Annotated[int, _opt(
+        "data-parallel rank of the (first) replica: offsets its KV-event ports and names it "
+        "in KV events and metrics (behind an external load balancer: one per server)")] = 0
     kv_events_config: Annotated[KVEventsConfig | None, _opt(
         "KV-cache events as vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true}' (ZeroMQ "
-        "PUB on tcp://127.0.0.1:5557)")] = None
+        "PUB on tcp://127.0.0.1:5557 + rank)")] = None
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
@@ -76,8 +82,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             if choices and value not in choices:
                 raise ValueError(f"{field.name} must be one of {', '.join(choices)}, "
                                  f"got {value!r}")
-        for name in ("tensor_parallel_size", "max_num_seqs", "block_size", "max_model_len",
-                     "num_threads",
+        for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs",
+                     "block_size", "max_model_len", "num_threads",
                      "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -103,6 +109,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                                  f"{self.tensor_parallel_size}")
 
     def _check_scale_out(self) -> None:
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be non-negative, got "
+                             f"{self.data_parallel_rank}")
         if not isinstance(self.kv_events_config, (KVEventsConfig, type(None))):
             raise ValueError("kv_events_config must be a KVEventsConfig (EngineConfig.create "
                              "also takes JSON text or a dict)")
