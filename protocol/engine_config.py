@@ -13,6 +13,7 @@ from protocol.kv_events import KVEventsConfig, parse_kv_events_config
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+ExecutorBackend = Literal["mp", "ray"]
 
 
 def _opt(help: str, **extra: Any) -> Meta:
@@ -62,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     worker_secret_file: Annotated[str | None, _opt(
         "file holding the secret workers prove themselves with; required with a tcp "
         "worker address (workers on other hosts read the same file)")] = None
+    distributed_executor_backend: Annotated[ExecutorBackend, _opt(
+        "how the workers start: mp, local processes; ray, Ray actors in a placement group "
+        "(the cluster at $RAY_ADDRESS or `ray start`'s, else a local one)")] = "mp"
     data_parallel_size: Annotated[int, _opt(
         "engine replicas, each an engine core with its own workers and KV cache; each new "
         "request goes to the least loaded", aliases=["-dp"])] = 1
@@ -96,7 +100,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("long_prefill_token_threshold must be non-negative")
         if self.worker_address is not None and not self.worker_address.startswith("tcp://"):
             raise ValueError(f"worker_address must be tcp://HOST:PORT, got {self.worker_address!r}")
-        if self.worker_address is not None and self.worker_secret_file is None:
+        if self.worker_address is not None and self.worker_secret_file is None and \
+                self.distributed_executor_backend == "mp":
             raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
                              "network must prove they belong to this engine")
         for name in ("startup_timeout_s", "step_timeout_s"):
@@ -115,6 +120,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not isinstance(self.kv_events_config, (KVEventsConfig, type(None))):
             raise ValueError("kv_events_config must be a KVEventsConfig (EngineConfig.create "
                              "also takes JSON text or a dict)")
+        if self.distributed_executor_backend == "ray" and self.local_ranks is not None:
+            raise ValueError("local_ranks is for the mp backend: with ray, Ray places every "
+                             "rank")
 
     @staticmethod
     def create(**options: Any) -> EngineConfig:
