@@ -7,6 +7,7 @@ own classes in the peer venv.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ from engine_core.kv_cache.kv_cache_manager import hash_block_tokens
 from engine_core.kv_event_publisher import END_SEQ, binds, offset_endpoint
 from engine_core.sched.scheduler import Scheduler
 from launch import LLM, SamplingParams
-from protocol import AddRequest, SamplingParams as WireParams
+from protocol import AddRequest
+from protocol import SamplingParams as WireParams
 from protocol.kv_events import KVEventBatch, external_block_hash, parse_kv_events_config
 from replay.replay import open_run
 
@@ -295,6 +297,41 @@ def test_vllm_decodes_our_batches(recorded_run, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     kinds = dict(eval(done.stdout.strip().splitlines()[-1]))
     assert kinds["AllBlocksCleared"] == 1 and kinds["BlockStored"] and kinds["BlockRemoved"]
+
+
+def _consecutive_free_ports() -> int:
+    """A port p on loopback with p + 1 free too (at the time of asking)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_each_replica_publishes_on_its_own_port():
+    """Data-parallel rank r publishes on the endpoint's port + r, naming itself."""
+    port = _consecutive_free_ports()
+    context = zmq.Context()
+    subs = [_subscribe(context, f"tcp://127.0.0.1:{port + rank}") for rank in (0, 1)]
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
+              "topic": "kv"}
+    try:
+        with LLM(MODEL, data_parallel_size=2, kv_events_config=config) as llm:
+            prompts = [{"prompt_token_ids": p} for p in _prompts(4, 40, 8)]
+            llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+            got = [_drain(sub) for sub in subs]
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        context.term()
+    for rank, batches in enumerate(got):
+        decoded = [DECODER.decode(payload) for _, payload in batches.values()]
+        assert decoded and all(b.data_parallel_rank == rank for b in decoded)
+        assert any(isinstance(e, BlockStored) for b in decoded for e in b.events)
 
 
 def test_endpoints_and_config():

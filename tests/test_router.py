@@ -3,6 +3,7 @@ router from PyPI (SMG, the SGLang model gateway, and vllm-router), driven by the
 `openai` client through the router, as the README's recipe runs them."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,24 +24,25 @@ MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
-def _router_command(name: str, port: int, workers: list[str]) -> list[str]:
+def _router_command(name: str, port: int, workers: list[str], policy: list[str]) -> list[str]:
     binary = shutil.which(name, path=BIN) or shutil.which(name)
     if binary is None:
         pytest.skip(f"{name} is not installed (pip install {name}; the test extra has it)")
     command = [binary, "launch"] if name == "smg" else [binary]
     command += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-                "--policy", "cache_aware"]
+                "--policy", *policy]
     if name == "smg":  # its own metrics listener defaults to every interface
         command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     return command
 
 
 class Router:
-    def __init__(self, name: str, workers: list[str]) -> None:
+    def __init__(self, name: str, workers: list[str],
+                 policy: tuple[str, ...] = ("cache_aware",)) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(_router_command(name, self.port, workers),
+        self.proc = subprocess.Popen(_router_command(name, self.port, workers, list(policy)),
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -75,7 +77,13 @@ def servers(tmp_path_factory):
     started = []
     try:
         for _ in range(2):
-            started.append(Server(MODEL, "--chat-template", str(template)))
+            events = {"enable_kv_cache_events": True,
+                      "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                      "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+            server = Server(MODEL, "--chat-template", str(template), "--kv-events-config",
+                            json.dumps(events))
+            server.kv_events = events
+            started.append(server)
         yield started
     finally:
         for server in started:
@@ -133,3 +141,34 @@ def test_what_routers_read(servers):
     assert len(info) == 1 and m[info[0]] == 1.0
     for label in ('block_size="16"', 'enable_prefix_caching="True"', 'num_gpu_blocks="'):
         assert label in info[0], info[0]
+
+
+def test_vllm_router_routes_by_our_kv_events(servers):
+    """vllm-router's kv_aware policy subscribes to both servers' KV events: a prefix cached
+    on a server (warmed there directly, past the router) draws its requests to that server."""
+    sources = []
+    for server in servers:
+        sources += ["--kv-event-source", f"{server.url}={server.kv_events['endpoint']}",
+                    "--kv-event-replay-source",
+                    f"{server.url}={server.kv_events['replay_endpoint']}"]
+    proxy = Router("vllm-router", [s.url for s in servers],
+                   ("kv_aware", *sources, "--kv-event-block-size", "16",
+                    "--kv-event-model", MODEL))
+    prefixes = ["import numpy as np\nimport torch\n\nclass Model(torch.nn.Module):\n" * 3,
+                "SELECT name, price FROM products WHERE price > 10 ORDER BY name;\n" * 3]
+    try:
+        for prefix, server in zip(prefixes, reversed(servers)):  # prefix i warm on server 1-i
+            body = {"model": "default_model", "prompt": prefix + "# warm", "max_tokens": 2}
+            assert httpx.post(server.url + "/v1/completions", json=body,
+                              timeout=60).status_code == 200
+        time.sleep(1.0)  # the events reach the router
+        before = [_successes(s) for s in servers]
+        for i in range(3):
+            for prefix in prefixes:
+                body = {"model": "default_model", "prompt": prefix + f"# {i}", "max_tokens": 2}
+                assert httpx.post(proxy.url + "/v1/completions", json=body,
+                                  timeout=60).status_code == 200
+        moved = [_successes(s) - b for s, b in zip(servers, before)]
+    finally:
+        proxy.stop()
+    assert moved == [3, 3], f"each prefix should go where it is cached, got {moved}"

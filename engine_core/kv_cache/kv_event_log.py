@@ -37,7 +37,9 @@ class KVEventLog:
                                         MEDIUM))
 
     def take(self) -> list[KVEvent]:
-        events, self.events = self.events, []
+        events = self.events
+        if events:  # the step loop asks every iteration: no garbage while nothing changed
+            self.events = []
         return events
 
     def _stored_run(self, first: int, stop: int, block_hashes: list[bytes],
