@@ -9,6 +9,7 @@ from engine_core.request import Request
 from engine_core.sched.scheduler import Scheduler
 from protocol.engine_config import EngineConfig
 from protocol.engine_messages import AbortRequests, AddRequest, AddRequests, EngineCoreOutput
+from protocol.kv_events import KVEvent
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 
@@ -55,6 +56,15 @@ class EngineCore:
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
             vocab_size)
         return EngineCore(scheduler, executor, config.max_logprobs)
+
+    def record_kv_events(self) -> None:
+        """Log the prefix cache's changes as KV-cache events (before the first step)."""
+        manager = self.scheduler.kv_cache_manager
+        manager.block_pool.record_kv_events(manager.block_size)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV-cache events since the last call (none unless recorded)."""
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
