@@ -16,6 +16,7 @@ from protocol.engine_messages import (
     EngineCoreOutput,
     GrammarsCompiled,
 )
+from protocol.kv_events import KVEvent
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 
@@ -71,6 +72,15 @@ class EngineCore:
         structured_output = StructuredOutputManager(
             config.model, vocab_size, config.structured_outputs_compile_timeout_s)
         return EngineCore(scheduler, executor, config.max_logprobs, structured_output)
+
+    def record_kv_events(self) -> None:
+        """Log the prefix cache's changes as KV-cache events (before the first step)."""
+        manager = self.scheduler.kv_cache_manager
+        manager.block_pool.record_kv_events(manager.block_size)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV-cache events since the last call (none unless recorded)."""
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""

@@ -12,6 +12,7 @@ import zmq
 
 from common.process import POLL_MS, become_child, configure_logging
 from engine_core.engine_core import EngineCore
+from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.workers.worker_failure import WorkerFailure
 from engine_core.workers.worker_group import WorkerGroup
 from protocol import (
@@ -64,11 +65,16 @@ class EngineCoreProc:
         self.workers = WorkerGroup(config, self.context, runtime_dir,
                                    self.journal.record if self.journal else None)
         self.engine: EngineCore | None = None
+        self.kv_events: KVEventPublisher | None = None
         self.last_sent = time.monotonic()
         self.refused: list[EngineCoreOutput] = []  # answers to frames we could not decode
 
     def run(self) -> int:
         try:
+            events = self.config.kv_events_config
+            if events is not None and events.enabled:
+                self.kv_events = KVEventPublisher(events, self.config.data_parallel_rank,
+                                                  self.context)
             self.engine = self._start()
             self._loop()
             return 0
@@ -82,6 +88,8 @@ class EngineCoreProc:
             if self.engine is not None:
                 self.engine.structured_output.shutdown()
             self.workers.shutdown()
+            if self.kv_events is not None:
+                self.kv_events.close()
             if self.journal is not None:
                 self.journal.close()
             self.input.close(linger=0)
@@ -94,6 +102,8 @@ class EngineCoreProc:
         c = self.config
         engine = EngineCore.from_config(c, self.workers, ready.num_blocks, ready.max_model_len,
                                         ready.vocab_size)
+        if self.kv_events is not None:
+            engine.record_kv_events()
         self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
                                c.tensor_parallel_size, ready.vocab_size,
                                ready.attention_backend))
@@ -131,6 +141,10 @@ class EngineCoreProc:
                 if was_busy:  # audit the block pool whenever the engine goes idle
                     engine.scheduler.check_integrity()
             was_busy = busy
+            if self.kv_events is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self.kv_events.publish(events)
             if outputs or (busy and time.monotonic() - self.last_sent > HEARTBEAT_S):
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
@@ -181,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             holder[0].workers.kill_local()
         shutil.rmtree(args.runtime_dir, ignore_errors=True)
 
-    become_child("deltaserve::engine_core", orphaned)
+    replica = f"_dp{config.data_parallel_rank}" if config.data_parallel_size > 1 else ""
+    become_child(f"deltaserve::engine_core{replica}", orphaned)
     configure_logging()
-    holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    try:
+        holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    except ValueError as e:  # e.g. an unreadable worker secret file: one line, no traceback
+        logger.error("engine core cannot start: %s", e)
+        return 2
     return holder[0].run()

@@ -38,7 +38,8 @@ def replay_workers(path: str, model: str | None = None, tensor_parallel_size: in
         run.header.engine_config, model=model or run.header.engine_config.model,
         tensor_parallel_size=tensor_parallel_size or run.header.world_size,
         num_gpu_blocks_override=run.ready.num_blocks, max_model_len=run.ready.max_model_len,
-        kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None)
+        kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None,
+        distributed_executor_backend="mp", kv_events_config=None)
     steps = [s for s in run.steps if until_step is None or s.step <= until_step]
     while run.truncated and steps and steps[-1].model_runner_output is None:
         steps.pop()  # sent, but the journal ends before its answer
