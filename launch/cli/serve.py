@@ -142,6 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
+        metrics.log_cache_config(engine.config, engine.engine.readies)
         app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
                         chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

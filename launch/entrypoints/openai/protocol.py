@@ -2,7 +2,8 @@
 
 Structural fields (`model`, `prompt`, `messages`, `stream`, ...) are typed here; sampling
 fields are passed through untyped to `SamplingParams`, so a bad value gets the same message
-through the server as through `LLM`. Unknown fields are ignored, as OpenAI's API does.
+through the server as through `LLM`; the structured-output fields are read by
+`structured_outputs.constraint_of`. Unknown fields are ignored, as OpenAI's API does.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgspec
 from fastapi import Request
 
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.structured_outputs import StructuredFields
 from protocol import SamplingParams
 
 MAX_BODY_BYTES = 16 << 20
@@ -32,7 +34,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(StructuredFields, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -28,6 +28,7 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
+from launch.entrypoints.openai.structured_outputs import constraint_of
 from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.chat_template import ChatTemplate, ChatTemplateError
 from launch.processing.input_processor import ProcessedInput
@@ -66,11 +67,13 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
+        constraint = constraint_of(body)
         params = sampling_params(body, {"max_tokens": max_tokens},
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                 structured_outputs=constraint and constraint.params)
         inputs = await self.off_loop(lambda: [self.process(
             self.render(body.messages, body.add_generation_prompt), params,
-            add_special_tokens=False)])
+            add_special_tokens=False, constraint=constraint)])
         self.check_budget(inputs)
         rid = request_id("chatcmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is

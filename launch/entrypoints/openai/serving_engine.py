@@ -21,10 +21,12 @@ from fastapi import Request, Response
 
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
+from protocol import StructuredOutputsError
 
 logger = logging.getLogger("deltaserve")
 T = TypeVar("T")
@@ -55,10 +57,14 @@ class OpenAIServing:
         if self.engine.dead is not None:
             raise APIError(503, f"the engine is not available: {self.engine.dead}")
 
-    def process(self, prompt: Any, params: Any, add_special_tokens: bool = True
-                ) -> ProcessedInput:
+    def process(self, prompt: Any, params: Any, add_special_tokens: bool = True,
+                constraint: Constraint | None = None) -> ProcessedInput:
+        """Tokenize and validate (the constraint too: `constraint` says which body field it
+        came from, for the 400's wording)."""
         try:
             return self.engine.process_inputs(prompt, params, add_special_tokens)
+        except StructuredOutputsError as e:
+            raise (constraint.describe(e) if constraint else APIError.bad_request(e)) from None
         except ValueError as e:
             raise APIError.bad_request(e) from None
 
