@@ -180,3 +180,68 @@ def test_tool_choice_schema_and_refusals():
         with pytest.raises(APIError) as e:
             parse_tool_choice(tools, choice, None)
         assert e.value.status == 400 and e.value.param in ("tools", "tool_choice")
+
+
+@pytest.fixture(scope="module")
+def guidance_tokenizer(tmp_path_factory):
+    from model_utils import make_tiny_model
+
+    from engine_core.structured_output.guidance_tokenizer import load
+    path = make_tiny_model(str(tmp_path_factory.mktemp("reasoning") / "tiny"), tokenizer=True)
+    from tokenizers import Tokenizer
+    return load(path, None, 0), Tokenizer.from_file(f"{path}/tokenizer.json")
+
+
+ANSWERS = [  # (constraint, texts it must accept after reasoning, texts it must refuse)
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+     ['{"a": 1}'], ['{"a": 1, "b": 2}', '{"a":1}', '{"a": 1}  ']),
+    ({"regex": "ab+c/d"}, ["abbc/d"], ["ac/d"]),
+    ({"choice": ["yes", "no"]}, ["no"], ["maybe"]),
+    ({"grammar": 'root ::= "x" [0-9]+'}, ["x12"], ["y1"]),
+    ({"grammar": 'start: "x" /[0-9]+/'}, ["x1"], ["x"]),
+    ({"json_object": True}, ["{}"], ["[]"]),
+]
+
+
+@pytest.mark.parametrize("constraint, good, bad", ANSWERS)
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_reasoning_leaves_thinking_free_and_constrains_the_answer(guidance_tokenizer, name,
+                                                                  constraint, good, bad):
+    """The grammar a reasoning parser makes from a constraint, run by llguidance on a real
+    tokenizer: free text up to `</think>` (and at most 4 whitespace characters), then the
+    answer under the constraint; qwen3 may skip the think block, deepseek_r1 may not."""
+    import llguidance
+
+    from engine_core.structured_output.grammar import check_grammar, grammar_text
+    from protocol import StructuredOutputsParams
+    tokenizer, encoder = guidance_tokenizer
+    params = get_reasoning_parser(name).constrain(StructuredOutputsParams(**constraint))
+    check_grammar(params)
+    grammar = grammar_text(params)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        ids = encoder.encode(text, add_special_tokens=False).ids
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+    for answer in good:
+        assert accepts(f"<think>a </thin k> b</think>\n\n{answer}")
+        assert accepts(answer) == (name == "qwen3")
+        assert not accepts(f"<think>a</think>{' ' * 5}{answer}")
+        assert not accepts(f"<think>a</think></think>{answer}")
+    for answer in bad:
+        assert not accepts(f"<think>a</think>{answer}")
+
+
+def test_serve_parser_flags():
+    import argparse
+
+    from launch.cli.serve import chat_parsers
+    args = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser=None,
+                              reasoning_parser=None)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        chat_parsers(args)
+    args.tool_call_parser, args.reasoning_parser = "hermes", "deepseek_r1"
+    parsers = chat_parsers(args)
+    assert parsers.tool_parser.name == "hermes" and parsers.reasoning.name == "deepseek_r1"
+    args.enable_auto_tool_choice = False  # a parser alone does not enable "auto"
+    assert chat_parsers(args).tool_parser is None

@@ -102,3 +102,22 @@ def invalid_reason(kind: str, message: str) -> str:
             "regex": "a valid regex", "choice": "a valid choice list",
             "grammar": "a valid grammar"}[kind]
     return f"is not {what}: {message.strip()}"
+
+
+def answer_lark(params: StructuredOutputsParams) -> str:
+    """`params` as the body of one Lark rule (llguidance's dialect), to embed it after text
+    the constraint does not cover (e.g. a model's reasoning). The same whitespace and
+    additional-properties rules as `grammar_text`."""
+    import llguidance
+    import llguidance.gbnf_to_lark as gbnf
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = _schema(params) if kind == "json" else json.loads(params.spec)
+        options = _COMPACT if params.disable_any_whitespace else _SPACED
+        schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+        return "%json " + json.dumps(schema, ensure_ascii=False)
+    if kind == "regex":
+        return "/" + llguidance.regex_to_lark(params.regex) + "/"
+    if kind == "choice":
+        return " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
+    return "%lark {\n" + gbnf.any_to_lark(params.grammar) + "\n}"

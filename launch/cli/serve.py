@@ -16,7 +16,10 @@ import sys
 from types import FrameType
 
 from launch.cli.engine_args import add_engine_args, engine_kwargs
+from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.http_limits import HttpLimits, bounded_h11_protocol
+from launch.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
+from launch.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from launch.errors import EngineDeadError
 
 logger = logging.getLogger("deltaserve")
@@ -38,8 +41,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "without one or to override its own")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    _add_chat_parser_args(parser)
     _add_http_limit_args(parser)
     add_engine_args(parser)
+
+
+def _add_chat_parser_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tool calls and reasoning")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide to call tools (tool_choice "auto"); needs '
+                            "--tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 "
+                            "<tool_call>{...}</tool_call>; llama3_json: Llama 3.x JSON)")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                       help="move <think>...</think> into reasoning_content; a structured-"
+                            "output constraint then holds the answer after it")
+
+
+def chat_parsers(args: argparse.Namespace) -> ChatParsers:
+    """The parsers `serve` was started with; ValueError for an incomplete pair of flags."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    tool_parser = (get_tool_parser(args.tool_call_parser)
+                   if args.enable_auto_tool_choice else None)
+    reasoning = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+    return ChatParsers(tool_parser, reasoning)
 
 
 def _add_http_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +162,7 @@ def serve(args: argparse.Namespace) -> int:
     name = names[0]
     api_key = api_key_of(args)
     limits = http_limits(args)
+    parsers = chat_parsers(args)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
     previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
@@ -144,7 +172,8 @@ def serve(args: argparse.Namespace) -> int:
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
         metrics.log_cache_config(engine.config, engine.engine.readies)
         app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
-                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
+                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
+                        chat_parsers=parsers)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=bounded_h11_protocol(limits),

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.http_limits import HeaderCountMiddleware, HttpLimits
 from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, read_body
@@ -57,7 +58,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
               api_key: str | None = None,
               chat_template: ChatTemplate | None = None,
               metrics: PrometheusStatLogger | None = None, owns_engine: bool = True,
-              limits: HttpLimits = HttpLimits()) -> FastAPI:
+              limits: HttpLimits = HttpLimits(),
+              chat_parsers: ChatParsers = ChatParsers()) -> FastAPI:
     """The app serving `engine` under one or more model names (the first is reported); with
     `owns_engine`, its shutdown stops the engine."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -79,7 +81,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     app.add_middleware(HeaderCountMiddleware, max_header_count=limits.max_header_count)
     _error_handlers(app)
     completions = OpenAIServingCompletion(engine, names, inputs)
-    chat = OpenAIServingChat(engine, names, inputs, chat_template)
+    chat = OpenAIServingChat(engine, names, inputs, chat_template, chat_parsers)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/chat/completions")(chat.create)
     _info_routes(app, engine, names, metrics)

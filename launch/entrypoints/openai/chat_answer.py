@@ -37,6 +37,15 @@ class ChatAnswer:
         return message
 
 
+@dataclass(frozen=True, slots=True)
+class ChatParsers:
+    """The server's parsers: `--tool-call-parser` (set only with --enable-auto-tool-choice)
+    and `--reasoning-parser`; both hold no per-request state."""
+
+    tool_parser: ToolParser | None = None
+    reasoning: ReasoningParser | None = None
+
+
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if reason == "stop" and has_calls else reason
 
@@ -62,7 +71,7 @@ class ChatAnswerParser:
             else:
                 answer.tool_calls[delta.index].arguments += delta.arguments
         answer.reasoning = reasoning or None
-        answer.content = content or (None if answer.tool_calls else "")
+        answer.content = content or (None if answer.tool_calls or answer.reasoning else "")
         return answer
 
     def stream(self) -> AnswerStream:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import abc
 
+from engine_core.structured_output.grammar import answer_lark
+from protocol import StructuredOutputsParams
+
 
 class ReasoningStream(abc.ABC):
     @abc.abstractmethod
@@ -23,6 +26,17 @@ class ReasoningStream(abc.ABC):
 
 class ReasoningParser(abc.ABC):
     name: str
+    # The Lark lexeme `REASONING` (the whole reasoning, closing tag included) and how the
+    # start rule uses it ("REASONING " or "REASONING? "), for constraints on the answer.
+    reasoning_lexeme: str
+    reasoning_rule: str
+
+    def constrain(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """A grammar that leaves the reasoning free and holds the answer after it to
+        `params` (what a structured-output constraint means under a reasoning parser)."""
+        return StructuredOutputsParams(grammar=f"start: {self.reasoning_rule}answer\n"
+                                       f"answer: {answer_lark(params)}\n"
+                                       f"{self.reasoning_lexeme}\n")
 
     @abc.abstractmethod
     def stream(self) -> ReasoningStream: ...

@@ -5,6 +5,10 @@ of it is content (thinking switched off). `deepseek_r1`: the chat template opens
 block in the prompt, so the answer is reasoning until `</think>` (a leading `<think>` is
 tolerated). Either way, reasoning never closed (cut by max_tokens) is all reasoning, and the
 text after `</think>` is the content, as written.
+
+Under a structured-output constraint the reasoning is free text up to the first `</think>`,
+then at most 4 whitespace characters, then the constrained answer (`REASONING` below); qwen3
+may skip the think block (the answer then starts at once), deepseek_r1 may not.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from launch.entrypoints.openai.reasoning.base import ReasoningParser, ReasoningS
 from launch.processing.detokenizer import partial_suffix
 
 START, END = "<think>", "</think>"
+# Text with no `</think>` inside, then `</think>` and up to 4 whitespace characters.
+_UNTIL_END = (r"(?s:.*)<\/think>[ \t\r\n]{0,4}/ & ~/(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)/")
 
 
 class ThinkTagStream(ReasoningStream):
@@ -60,9 +66,10 @@ class ThinkTagStream(ReasoningStream):
         return True
 
 
-
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    reasoning_lexeme = r"REASONING: /[ \t\r\n]*<think>" + _UNTIL_END
+    reasoning_rule = "REASONING? "
 
     def stream(self) -> ReasoningStream:
         return ThinkTagStream(opened_by_prompt=False)
@@ -70,6 +77,8 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    reasoning_lexeme = r"REASONING: /[ \t\r\n]*(<think>)?" + _UNTIL_END
+    reasoning_rule = "REASONING "
 
     def stream(self) -> ReasoningStream:
         return ThinkTagStream(opened_by_prompt=True)
