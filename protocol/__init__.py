@@ -13,6 +13,8 @@ from protocol.engine_messages import (
                                       EngineReady,
                                       FinishReason,
                                       FrontendToCore,
+                                      GrammarError,
+                                      GrammarsCompiled,
                                       SchedulerStats,
                                       ShutdownEngine,
                                       SpecDecodingStats,
@@ -22,12 +24,15 @@ from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import (
-                                      CachedRequestData,
-                                      NewRequestData,
-                                      SchedulerOutput,
-                                      SpecDecodeSchedulerOutput,
+                                       CachedRequestData,
+                                       GrammarBitmask,
+                                       MaskedSchedulerOutput,
+                                       NewRequestData,
+                                       SchedulerOutput,
+                                       SpecDecodeSchedulerOutput,
 )
 from protocol.speculative_config import SpeculativeConfig
+from protocol.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from protocol.worker_messages import (
                                       CoreToWorker,
                                       WorkerError,
@@ -43,9 +48,11 @@ __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",
     "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
-    "FrontendToCore", "SchedulerStats", "ShutdownEngine", "SpecDecodingStats", "DraftTokens",
-    "IntColumn", "ModelRunnerOutput",
-    "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
-    "SchedulerOutput", "SpecDecodeSchedulerOutput", "SpeculativeConfig", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
-    "WorkerPing", "WorkerReady", "WorkerShutdown", "WorkerToCore",
+    "FrontendToCore", "GrammarError", "GrammarsCompiled", "SchedulerStats", "ShutdownEngine",
+    "SpecDecodingStats", "DraftTokens", "IntColumn", "ModelRunnerOutput", "SampleLogprobs",
+    "check_prompt", "SamplingParams", "CachedRequestData", "GrammarBitmask",
+    "MaskedSchedulerOutput", "NewRequestData", "SchedulerOutput", "SpecDecodeSchedulerOutput",
+    "SpeculativeConfig", "StructuredOutputsError", "StructuredOutputsParams", "CoreToWorker",
+    "WorkerError", "WorkerHello", "WorkerInit", "WorkerPing", "WorkerReady", "WorkerShutdown",
+    "WorkerToCore",
 ]

@@ -69,6 +69,19 @@ class CachedRequestData(WireStruct):
         return len(self.req_ids)
 
 
+class GrammarBitmask(WireStruct):
+    """The tokens each constrained request may sample in this step.
+
+    Row i belongs to handle `req_ids[i]` (in the step's request order; only requests that
+    sample in this step and have a constraint). `bitmask` is the rows back to back, each
+    `ceil(vocab_size / 32)` int32 words, little-endian: bit j of word w allows token
+    `32 * w + j`. Every row allows at least one token.
+    """
+
+    req_ids: IntColumn
+    bitmask: bytes
+
+
 class ScheduledTokens(Mapping[int, int]):
     """`num_scheduled_tokens`: handle -> tokens computed in this step, read-only.
 
@@ -113,7 +126,10 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     `finished_req_ids` lists handles finished since the previous step (workers drop them
     before applying anything else); `preempted_req_ids` lists handles preempted in this step
     (their KV is gone, but workers keep their tokens until they resume or finish).
-    A step with speculative decoding is a `SpecDecodeSchedulerOutput`.
+    `grammar_bitmask` restricts what constrained requests may sample (every rank applies it).
+    Steps come in three tags, so that each costs only what it uses: a plain step; a
+    `MaskedSchedulerOutput` (masks, no drafts); a `SpecDecodeSchedulerOutput` (drafts to verify
+    or to propose, and masks if any).
     (`dict=True`, hence `gc=True`, holds the cached properties.)
     """
 
@@ -126,7 +142,10 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     preempted_req_ids: list[int] = []
     # Steps are numbered from 1 without gaps; a worker that sees a gap reports an error.
     step: int = 0
-    # What a SpecDecodeSchedulerOutput carries; a plain step verifies and proposes nothing.
+    # What the other variants carry; a plain step has no masks and verifies and proposes
+    # nothing. (msgspec writes every field of an array-like struct up to its last non-default
+    # one, so these stay off the plain step: steps without them encode exactly as before.)
+    grammar_bitmask: ClassVar[GrammarBitmask | None] = None
     scheduled_spec_decode_tokens: ClassVar[DraftTokens | None] = None
     num_spec_tokens_to_propose: ClassVar[IntColumn | None] = None
 
@@ -165,14 +184,33 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     def num_scheduled_tokens_by_handle(self) -> dict[int, int]:
         return dict(zip(self.scheduled_req_ids, self.scheduled_token_counts))
 
+    def with_grammar_bitmask(self, grammar_bitmask: GrammarBitmask) -> SchedulerOutput:
+        """This step, carrying the masks of its constrained requests: a plain step becomes a
+        `MaskedSchedulerOutput`, a speculative one keeps its type."""
+        kind = MaskedSchedulerOutput if type(self) is SchedulerOutput else type(self)
+        fields = {name: getattr(self, name) for name in self.__struct_fields__}
+        fields["grammar_bitmask"] = grammar_bitmask
+        return kind(**fields)
 
-class SpecDecodeSchedulerOutput(SchedulerOutput, tag=3):
+
+class MaskedSchedulerOutput(SchedulerOutput, tag=3):
+    """A step with constrained requests that sample and no drafts: `SchedulerOutput` plus
+    their masks (one row per such request)."""
+
+    grammar_bitmask: GrammarBitmask | None = None
+
+
+class SpecDecodeSchedulerOutput(SchedulerOutput, tag=4):
     """A step with speculative decoding (its own tag, so that a plain step costs no byte more).
 
     `scheduled_spec_decode_tokens` names the draft tokens some requests verify, in the step's
     request order: such a request's count covers its known tokens, then its drafts. With a
     draft model, `num_spec_tokens_to_propose[i]` is how many draft tokens the workers propose
-    after this step for the i-th scheduled request (None: none at all)."""
+    after this step for the i-th scheduled request (None: none at all). `grammar_bitmask`,
+    last so that a step without masks does not carry it, has a row per constrained request
+    that samples, and for one that verifies d drafts, d + 1 consecutive rows: the mask at
+    each verified position (after its known tokens, then after each of its drafts)."""
 
     scheduled_spec_decode_tokens: DraftTokens | None = None
     num_spec_tokens_to_propose: IntColumn | None = None
+    grammar_bitmask: GrammarBitmask | None = None

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
-from protocol.scheduler_output import SchedulerOutput, SpecDecodeSchedulerOutput
+from protocol.scheduler_output import (
+    MaskedSchedulerOutput,
+    SchedulerOutput,
+    SpecDecodeSchedulerOutput,
+)
 from protocol.wire_struct import WireStruct
 
 # --- engine core -> worker ----------------------------------------------------------------
@@ -59,5 +63,6 @@ class WorkerError(WireStruct, tag=42):
     step: int = 0
 
 
-CoreToWorker = SchedulerOutput | SpecDecodeSchedulerOutput | WorkerInit | WorkerShutdown | WorkerPing
+CoreToWorker = (SchedulerOutput | MaskedSchedulerOutput | SpecDecodeSchedulerOutput | WorkerInit
+                | WorkerShutdown | WorkerPing)
 WorkerToCore = ModelRunnerOutput | WorkerHello | WorkerReady | WorkerError

@@ -8,7 +8,7 @@ import torch
 
 from protocol.int_column import IntColumn
 from protocol.sampling_params import GREEDY_EPS
-from protocol.scheduler_output import NewRequestData, SchedulerOutput
+from protocol.scheduler_output import GrammarBitmask, NewRequestData, SchedulerOutput
 from worker.sample.metadata import SamplingMetadata
 from worker.sample.sampling_table import SamplingTable
 
@@ -176,20 +176,25 @@ class InputBatch:
 
     # --- sampling ---------------------------------------------------------------------------
 
-    def sampling_metadata(self, rows: np.ndarray,
+    def sampling_metadata(self, rows: np.ndarray, grammar: GrammarBitmask | None = None,
                           offsets: np.ndarray | None = None) -> SamplingMetadata:
         """The sampler's inputs for `rows` (the sampled requests' rows, in logits order): numpy
         gathers, plus per-request Python only for non-greedy rows (their own generators) and
-        rows with penalties or below min_tokens. In a speculative step a row repeats once per
-        logits row of its request, and `offsets` says how many of its drafts (written after
-        its known tokens) precede that logits row: they count as its outputs there."""
+        rows with penalties or below min_tokens. `grammar`: the step's masks. In a speculative
+        step a row repeats once per logits row of its request, and `offsets` says how many of
+        its drafts (written after its known tokens) precede that logits row: they count as
+        its outputs there."""
         table = self.sampling
         temperature = table.temperature[rows]
         random = np.flatnonzero(temperature >= GREEDY_EPS)
         penalized = np.flatnonzero(table.penalties[rows])
         ends = self.num_tokens[rows] if offsets is None else self.num_tokens[rows] + offsets
         views = [self.prompt_and_output(int(rows[i]), int(ends[i])) for i in penalized]
-        below_min = np.flatnonzero(ends - self.num_prompt_tokens[rows] < table.min_tokens[rows])
+        grammar_rows, bitmask = self._grammar(rows, grammar)
+        below = ends - self.num_prompt_tokens[rows] < table.min_tokens[rows]
+        if grammar_rows is not None:
+            below[grammar_rows] = False
+        below_min = np.flatnonzero(below)
         return SamplingMetadata(
             temperature=temperature, all_greedy=not len(random), top_k=table.top_k[rows],
             top_p=table.top_p[rows], min_p=table.min_p[rows],
@@ -199,7 +204,41 @@ class InputBatch:
             penalty_params=[table.params[rows[i]] for i in penalized],
             prompt_tokens=[prompt for prompt, _ in views],
             output_tokens=[output for _, output in views], below_min_tokens=below_min,
-            stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min])
+            stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min],
+            grammar_rows=grammar_rows, grammar_bitmask=bitmask)
+
+    def _grammar(self, rows: np.ndarray, grammar: GrammarBitmask | None,
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The logits rows of the step's masks (increasing) and the masks in that order."""
+        if grammar is None:
+            return None, None
+        batch_rows = self.rows_of(grammar.req_ids)
+        words = -(-(self.vocab_size or 0) // 32)
+        if not words or len(grammar.bitmask) != 4 * words * len(batch_rows):
+            raise StepProtocolError(f"a grammar bitmask of {len(grammar.bitmask)} bytes for "
+                                    f"{len(batch_rows)} rows of {words} words")
+        bitmask = np.frombuffer(grammar.bitmask, "<i4").reshape(len(batch_rows), words)
+        # A request's k-th mask row goes to its k-th logits row (several in a speculative
+        # step, where its mask rows are consecutive and as many as its logits rows).
+        order = np.argsort(rows, kind="stable")
+        found = np.searchsorted(rows, batch_rows, sorter=order) + _run_index(batch_rows)
+        positions = order[np.minimum(found, len(rows) - 1)]
+        if len(rows) == 0 or (rows[positions] != batch_rows).any() or \
+                len(np.unique(positions)) != len(positions) or \
+                np.isin(rows, batch_rows).sum() != len(batch_rows):
+            raise StepProtocolError("a grammar bitmask's rows do not match the logits rows of "
+                                    "its requests")
+        if not bitmask.any(axis=1).all():
+            raise StepProtocolError("a grammar bitmask row allows no token")
+        increasing = np.argsort(positions)
+        return positions[increasing], bitmask[increasing]
+
+def _run_index(values: np.ndarray) -> np.ndarray:
+    """For each entry, how many equal entries directly precede it: [5, 5, 7, 5] -> [0, 1, 0, 0]."""
+    index = np.arange(len(values))
+    starts = np.ones(len(values), bool)
+    starts[1:] = values[1:] != values[:-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
 
 
 def as_array(column: IntColumn | list[int]) -> np.ndarray:

@@ -114,7 +114,7 @@ class ModelRunner:
         if step.num_drafts is not None:
             return self._verify(so, step, sampled_rows, logits)
         tokens, logprobs = self.sampler.sample(
-            logits, self.input_batch.sampling_metadata(sampled_rows))
+            logits, self.input_batch.sampling_metadata(sampled_rows, so.grammar_bitmask))
         self.input_batch.append_tokens(sampled_rows, tokens)
         return ([[token] for token in tokens],
                 logprobs and [[e] if e is not None else None for e in logprobs])
@@ -127,7 +127,7 @@ class ModelRunner:
         if self.drafter is not None:
             spec.draft_probs = self.drafter.draft_probs(sampled_rows, spec)
         metadata = self.input_batch.sampling_metadata(np.repeat(sampled_rows, drafts + 1),
-                                                      spec.row_offsets())
+                                                      so.grammar_bitmask, spec.row_offsets())
         tokens, logprobs = self.rejection_sampler(logits, metadata, spec)
         self.input_batch.append_verified(sampled_rows, tokens, drafts)
         return tokens, logprobs

@@ -137,6 +137,11 @@ class Speculator:
             return 0
         return min(_state(request, self.config).next_length(batch_size), room)
 
+    def cut(self, request: Request, n: int) -> None:
+        """Keep only the first n of the request's proposals (before the step is scheduled)."""
+        request.spec_token_ids = request.spec_token_ids[:n]
+        self.table.num_spec[request.req_id] = len(request.spec_token_ids)
+
     def _give(self, request: Request, tokens: list[int]) -> None:
         if tokens:
             request.spec_token_ids = tokens

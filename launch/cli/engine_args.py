@@ -56,12 +56,13 @@ def _value_kwargs(annotation: Any, default: Any) -> dict[str, Any]:
 
 
 def _json_of(kind: type[msgspec.Struct]) -> Any:
-    """An argparse type: a JSON object decoded (and validated) as `kind`."""
+    """An argparse type: JSON text decoded as `kind`, or one line saying what is wrong."""
     def parse(text: str) -> msgspec.Struct:
         try:
             return msgspec.json.decode(text, type=kind)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+        except (msgspec.DecodeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON for {kind.__name__}: {e}") from None
+    parse.__name__ = kind.__name__
     return parse
 
 

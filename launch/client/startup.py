@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from common.worker_auth import read_secret_file
+from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
@@ -14,15 +16,20 @@ from launch.processing.tokenizer import load_tokenizer, read_json, stop_token_id
 from protocol import EngineConfig
 
 
-def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient, InputProcessor]:
+def start_engine(model: str, engine_args: dict[str, Any]
+                 ) -> tuple[EngineClient | DPEngineClient, InputProcessor]:
     """The running engine for `model` and the engine options in `engine_args` (the fields of
-    `EngineConfig`), and the input processor that validates requests against it."""
+    `EngineConfig`), and the input processor that validates requests against it. With
+    `data_parallel_size` > 1, its replicas behind one client."""
     model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
     if not os.path.isdir(model):
         raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
                          "(nothing is downloaded from a model hub)")
     config = with_draft_model(EngineConfig.create(model=os.path.abspath(model), **engine_args))
-    engine = EngineClient(config)  # the processes start while we load the tokenizer
+    if config.worker_secret_file is not None:
+        read_secret_file(config.worker_secret_file)  # one clear line now, not in the engine
+    # The processes start while we load the tokenizer.
+    engine = EngineClient(config) if config.data_parallel_size == 1 else DPEngineClient(config)
     try:
         tokenizer = load_tokenizer(config.model)
         stop_token_ids = stop_token_ids_of(config.model, tokenizer)

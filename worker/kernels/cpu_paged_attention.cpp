@@ -28,7 +28,7 @@
 #include <vector>
 
 #if defined(__AVX__)
-#include <immintrin.h>  // cpu_paged_attention_simd.h: 16-bit loads
+#include <immintrin.h>  // cpu_simd.h: 16-bit loads
 #endif
 
 #include "cpu_dtypes.h"

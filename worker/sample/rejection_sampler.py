@@ -24,8 +24,9 @@ class RejectionSampler:
     * Random: draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); at the
       first rejection a token is drawn from max(p_j - q_j, 0), renormalized; with every draft
       accepted, the bonus token is drawn from p_d. p is what the plain sampler draws from
-      (temperature, top-k, top-p, min-p), q the draft model's distribution or, for n-gram
-      drafts, a point mass on x_j. The emitted tokens are distributed as the target's.
+      (temperature, top-k, top-p, min-p, grammar masks at every position), q the draft
+      model's distribution or, for n-gram drafts and constrained requests, a point mass on x_j.
+      The emitted tokens are distributed as the target's.
       A request draws its uniforms, then one exponential race, from its own generator when
       seeded (else the sampler's), so results are reproducible and the same on every rank.
     """
@@ -47,8 +48,10 @@ class RejectionSampler:
         if not metadata.all_greedy:
             drafts = spec.draft_token_ids.tolist()
             cu = spec.cu_num_drafts.tolist()
+            point_mass = _constrained(metadata, starts)
             for r in np.flatnonzero(metadata.temperature[starts] >= GREEDY_EPS).tolist():
-                q = spec.draft_probs[r] if spec.draft_probs is not None else None
+                q = spec.draft_probs[r] if spec.draft_probs is not None and \
+                    not point_mass[r] else None
                 tokens[r] = self._verify_random(logits, metadata, int(starts[r]),
                                                 drafts[cu[r]:cu[r + 1]], q)
         if raw is None:
@@ -86,6 +89,15 @@ class RejectionSampler:
         noise = torch.empty_like(residual).exponential_(generator=generator)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return drafts[:accepted] + [int((residual / noise).argmax())]
+
+
+def _constrained(metadata: SamplingMetadata, starts: np.ndarray) -> np.ndarray:
+    """[R] bool: request r is constrained. Its drafts were cut where its grammar refused
+    one, so they are not draws from the draft model's q: they are verified as point masses
+    (q = 1 on the draft), which keeps the target's distribution whatever chose them."""
+    if metadata.grammar_rows is None:
+        return np.zeros(len(starts), bool)
+    return np.isin(starts, metadata.grammar_rows)
 
 
 def _verify_greedy(argmax: np.ndarray, spec: SpecDecodeMetadata,

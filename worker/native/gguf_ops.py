@@ -1,0 +1,206 @@
+"""Matrix products with weights kept in their GGUF block formats (worker/kernels/gguf_*.{cpp,h}):
+`y = x · Wᵀ` with float32 activations and W as the raw bytes of a GGUF tensor, decoded in
+registers to exactly `gguf.quants.dequantize`'s float32 values and accumulated in float32,
+so results equal dequantize-then-float32-matmul up to summation order.
+
+Shapes and dtypes:
+  x        float32 [..., K], last dim contiguous (any other strides)
+  qweight  uint8 [N, row_bytes] (row_bytes = K / block_elems * block_bytes), bytes of a row
+           contiguous, any row stride: a row slice (tensor-parallel rank) or a column slice at
+           block boundaries (a K slice) of a bigger tensor's bytes is a plain view; or a
+           contiguous 1-D uint8 tensor of N * row_bytes bytes
+  result   float32 [..., N]; or `out` float32 [M, N] (last dim contiguous), overwritten or,
+           with accumulate=True, added to
+`native()` is the loaded library or None where it cannot be built (then one warning per
+process); `matmul` and `dequantize` fall back to `gguf.quants.dequantize` and torch there.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker.native.library import I32, I64, PTR, UNAVAILABLE, build_library, entry_point
+
+logger = logging.getLogger("deltaserve")
+
+SOURCES = ("gguf_matmul.cpp", "cpu_dtypes.h", "cpu_simd.h", "gguf_blocks.h", "gguf_gemv.h",
+           "gguf_gemm.h")
+# qtype, w, w_stride, x, x_stride, y, y_stride, m, n, k, accumulate, num_threads
+_MATMUL_ARGS = [I32, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I32, I32]
+# qtype, w, w_stride, out, out_stride, n, k
+_DEQUANTIZE_ARGS = [I32, PTR, I64, PTR, I64, I64, I64]
+
+
+@dataclass(frozen=True)
+class GgufType:
+    """A GGML block format: `block_elems` weights in `block_bytes` bytes, with float16 scale
+    fields (d, and m / dmin where the type has one) at `scale_offsets` within a block."""
+    name: str
+    code: int  # gguf.GGMLQuantizationType value
+    block_elems: int
+    block_bytes: int
+    scale_offsets: tuple[int, ...]
+
+    def row_bytes(self, k: int) -> int:
+        if k <= 0 or k % self.block_elems:
+            raise ValueError(f"{self.name}: K={k} is not a positive multiple of "
+                             f"{self.block_elems}")
+        return k // self.block_elems * self.block_bytes
+
+
+_TYPES = (GgufType("Q4_0", 2, 32, 18, (0,)), GgufType("Q4_1", 3, 32, 20, (0, 2)),
+          GgufType("Q5_0", 6, 32, 22, (0,)), GgufType("Q5_1", 7, 32, 24, (0, 2)),
+          GgufType("Q8_0", 8, 32, 34, (0,)), GgufType("Q4_K", 12, 256, 144, (0, 2)),
+          GgufType("Q5_K", 13, 256, 176, (0, 2)), GgufType("Q6_K", 14, 256, 210, (208,)))
+# The types with kernels, by name and by code (a gguf.GGMLQuantizationType works as a code).
+GGUF_TYPES: dict[str | int, GgufType] = {**{t.name: t for t in _TYPES},
+                                          **{t.code: t for t in _TYPES}}
+
+
+def gguf_type(qtype: str | int) -> GgufType:
+    try:
+        return GGUF_TYPES[qtype]
+    except KeyError:
+        raise ValueError(f"no GGUF kernel for type {qtype!r}") from None
+
+
+def supported(qtype: str | int) -> bool:
+    """A kernel exists for this GGML type (by name, code or GGMLQuantizationType)."""
+    return qtype in GGUF_TYPES
+
+
+def _weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Tensor:
+    """qweight as [n, row_bytes] uint8 CPU bytes with contiguous rows (a view; raises
+    otherwise)."""
+    row = t.row_bytes(k)
+    if qweight.dtype != torch.uint8 or not qweight.is_cpu:
+        raise TypeError(f"qweight must be uint8 bytes on the CPU, not {qweight.dtype} on "
+                        f"{qweight.device}")
+    if qweight.dim() == 2 and qweight.stride(1) == 1 and qweight.shape == (n, row):
+        return qweight
+    if qweight.dim() == 1 and qweight.is_contiguous() and qweight.numel() == n * row:
+        return qweight.view(n, row)
+    raise ValueError(f"qweight must be [{n}, {row}] uint8 with contiguous rows ({t.name}, "
+                     f"K={k}), got {tuple(qweight.shape)} strides {qweight.stride()}")
+
+
+class GgufOps:
+    """Bound entry points of one build of the library (`march` as in build_library)."""
+
+    def __init__(self, march: str = "native") -> None:
+        library = build_library("gguf-matmul", SOURCES, march=march)
+        self._matmul = entry_point(library, "gguf_matmul", _MATMUL_ARGS)
+        self._dequantize = entry_point(library, "gguf_dequantize", _DEQUANTIZE_ARGS)
+        self.simd_width: int = entry_point(library, "gguf_simd_width", [])()
+
+    def matmul(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N])."""
+        t = GGUF_TYPES.get(qtype) or gguf_type(qtype)
+        w = _weight_rows(qweight, t, n, k)
+        x2 = x if x.dim() == 2 and x.stride(1) == 1 else _activation_rows(x, k)
+        if x2.dtype != torch.float32 or x2.shape[1] != k or not x2.is_cpu:
+            _activation_rows(x, k)  # raises (the fast path above skips the checks)
+        m = x2.shape[0]
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate=True needs `out`")
+            out = torch.empty((m, n), dtype=torch.float32)
+        elif (out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu
+              or (n > 1 and out.stride(1) != 1)):
+            raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with contiguous rows")
+        status = self._matmul(t.code, w.data_ptr(), w.stride(0), x2.data_ptr(), x2.stride(0),
+                              out.data_ptr(), out.stride(0), m, n, k, accumulate,
+                              torch.get_num_threads())
+        if status:
+            _check(status, "gguf_matmul")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def dequantize(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
+        """The weights as float32 [N, K], exactly gguf.quants.dequantize's values."""
+        t = gguf_type(qtype)
+        w = _weight_rows(qweight, t, n, k)
+        out = torch.empty((n, k), dtype=torch.float32)
+        _check(self._dequantize(t.code, w.data_ptr(), w.stride(0), out.data_ptr(), k, n, k),
+               "gguf_dequantize")
+        return out
+
+
+def _activation_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as [M, K] float32 CPU rows, each contiguous (a view where x allows)."""
+    if x.dtype != torch.float32 or x.shape[-1] != k or not x.is_cpu:
+        raise ValueError(f"x must be float32 [..., {k}] on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _check(status: int, name: str) -> None:
+    if status:
+        raise RuntimeError(f"{name} rejected its arguments (status {status})")
+
+
+@functools.cache
+def load(march: str = "native") -> GgufOps:
+    """The library built for `march` (raises one of UNAVAILABLE where it cannot be built)."""
+    return GgufOps(march)
+
+
+@functools.cache
+def native() -> GgufOps | None:
+    """The native build, or None where it cannot be built (callers then use torch)."""
+    try:
+        return load()
+    except UNAVAILABLE as e:
+        logger.warning("GGUF kernels unavailable, dequantizing with gguf.quants: %s", e)
+        return None
+
+
+def random_blocks(qtype: str | int, n: int, k: int, generator: torch.Generator,
+                  scale: float = 2.0 ** -6) -> torch.Tensor:
+    """[n, row_bytes] uint8 of valid random blocks (for tests and benchmarks): random bytes
+    for the quants and packed sub-scales, float16 scale fields in ±[scale / 2, scale]."""
+    t = gguf_type(qtype)
+    blocks = torch.randint(0, 256, (n, k // t.block_elems, t.block_bytes), dtype=torch.uint8,
+                           generator=generator)
+    for offset in t.scale_offsets:
+        magnitude = torch.rand(blocks.shape[:2], generator=generator) * 0.5 + 0.5
+        sign = torch.randint(0, 2, blocks.shape[:2], generator=generator) * 2 - 1
+        d = (magnitude * sign * scale).to(torch.float16)
+        blocks[:, :, offset:offset + 2] = d.view(torch.uint8).view(n, -1, 2)
+    return blocks.view(n, -1)
+
+
+def dequantize_reference(qweight: torch.Tensor, qtype: str | int, n: int,
+                         k: int) -> torch.Tensor:
+    """float32 [N, K] by gguf.quants.dequantize (the kernels' reference and fallback)."""
+    import gguf.quants
+
+    t = gguf_type(qtype)
+    w = _weight_rows(qweight, t, n, k).contiguous().numpy()
+    return torch.from_numpy(gguf.quants.dequantize(w, t.code).reshape(n, k))
+
+
+def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int, *,
+           out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """x [..., K] float32 · W[N, K]ᵀ -> float32 [..., N], W as GGUF block bytes (see the module
+    docstring); the native kernel, or dequantize + torch where it cannot be built."""
+    ops = native()
+    if ops is not None:
+        return ops.matmul(x, qweight, qtype, n, k, out=out, accumulate=accumulate)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs `out`")
+    y = _activation_rows(x, k) @ dequantize_reference(qweight, qtype, n, k).T
+    if out is None:
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return out.add_(y) if accumulate else out.copy_(y)
+
+
+def dequantize(qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
+    """The weights as float32 [N, K] (native, or gguf.quants where it cannot be built)."""
+    ops = native()
+    return (ops.dequantize(qweight, qtype, n, k) if ops is not None
+            else dequantize_reference(qweight, qtype, n, k))
