@@ -203,6 +203,8 @@ def main() -> None:
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
     print(f"model {args.model}, float32, greedy; spec {json.dumps(args.spec)}; "
           f"{args.rounds} rounds; timed: generate() per closed batch of c prompts")
+    load = {"start": os.getloadavg()}
+    print(f"load average at start: {load['start']}", flush=True)
     with engines(args) as (found, tokenizer):
         grounded = grounded_prompts(args.model, tokenizer, 32, args.seed)
         # c=1: 4 prompts one at a time; otherwise 2 batches of c (one of 16 at c=16).
@@ -212,10 +214,12 @@ def main() -> None:
             "open": (lambda c: open_prompts(vocab, sizes[c], args.seed + c),
                      args.open_tokens, True)}
         rows = report(measure(found, workloads, args))
+    load["end"] = os.getloadavg()
+    print(f"load average at end: {load['end']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "spec": args.spec, "rounds": args.rounds,
-                       "rows": rows}, f, indent=1)
+                       "load_average": load, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
 
 
