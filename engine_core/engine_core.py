@@ -151,8 +151,7 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         """The scheduler's next step, with the masks of its constrained requests (their
         proposals first cut to what their grammars accept)."""
-        speculator = self.scheduler.speculator
-        self.structured_output.cut_drafts(speculator.cut if speculator is not None else None)
+        self.structured_output.cut_drafts(self.scheduler.speculator.cut)
         return self.structured_output.attach_bitmask(self.scheduler.schedule(),
                                                      self.scheduler.requests_by_handle,
                                                      self.scheduler.handles.bound)

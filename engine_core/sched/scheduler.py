@@ -15,7 +15,7 @@ from engine_core.sched.request_queue import create_request_queue
 from engine_core.sched.request_table import RequestTable, answer_rows
 from engine_core.sched.step_plan import StepPlan
 from engine_core.sched.stop_check import append_tokens, check_stop
-from engine_core.spec_decode.speculator import Speculator
+from engine_core.spec_decode.speculator import make_speculator
 from protocol.engine_messages import EngineCoreOutput, SchedulerStats
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
@@ -65,10 +65,9 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.async_scheduling = scheduler_config.async_scheduling
-        spec = scheduler_config.speculative_config
-        self.speculator = (Speculator(spec, self.table, self.requests_by_handle)
-                           if spec is not None else None)
-        self.num_lookahead_tokens = self.speculator.num_lookahead_tokens if spec else 0
+        self.speculator = make_speculator(scheduler_config.speculative_config, self.table,
+                                          self.requests_by_handle)
+        self.num_lookahead_tokens = self.speculator.num_lookahead_tokens
         self.num_blocked = 0  # waiting requests whose grammars are not ready
 
     # --- requests in and out ---------------------------------------------------------------
@@ -135,9 +134,9 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        spec = self.speculator.schedule(plan) if self.speculator is not None else (None, None)
         output = plan.build(self.step, finished, self.kv_cache_manager, self.table,
-                            self.handles.bound, self.max_model_len, *spec)
+                            self.handles.bound, self.max_model_len,
+                            *self.speculator.schedule(plan))
         self._update_after_schedule(plan)
         # Reusable from the next step on. Under async scheduling at most one step is in flight
         # while this one is scheduled, and it is collected before the next is scheduled, so
@@ -183,8 +182,7 @@ class Scheduler:
         self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
         if stopped:
             self._finish_stopped(stopped)
-        if self.speculator is not None:
-            self.speculator.update(scheduler_output, model_runner_output)
+        self.speculator.update(scheduler_output, model_runner_output)
         return outputs
 
     # --- scheduling helpers ----------------------------------------------------------------
@@ -380,4 +378,4 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting),
                               pool.num_blocks - 1 - pool.get_num_free_blocks(),
                               pool.num_blocks - 1, self.num_preemptions,
-                              self.speculator.stats() if self.speculator is not None else None)
+                              self.speculator.stats())

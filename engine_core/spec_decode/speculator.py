@@ -153,6 +153,32 @@ class Speculator:
         return SpecDecodingStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
 
 
+class NoSpeculation:
+    """The speculator of an engine without speculative decoding: the scheduler's seams do
+    nothing, and no request ever has proposals."""
+
+    num_lookahead_tokens = 0
+
+    def schedule(self, plan: StepPlan) -> tuple[None, None]:
+        return None, None
+
+    def update(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        pass
+
+    def cut(self, request: Request, n: int) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+
+def make_speculator(config: SpeculativeConfig | None, table: RequestTable,
+                    requests_by_handle: dict[int, Request]) -> Speculator | NoSpeculation:
+    if config is None:
+        return NoSpeculation()
+    return Speculator(config, table, requests_by_handle)
+
+
 def _room(request: Request) -> int:
     """Draft tokens worth verifying: a step emits at most drafts + 1 tokens, and the request
     ends at `length_end` (within max_model_len)."""

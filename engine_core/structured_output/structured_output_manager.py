@@ -106,13 +106,11 @@ class StructuredOutputManager:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def cut_drafts(self, cut: DraftCutter | None) -> None:
+    def cut_drafts(self, cut: DraftCutter) -> None:
         """Before a step is scheduled: cut each constrained request's proposals before the
         first token its grammar refuses (all of them while its constraint is not active yet:
         a step's tokens after the gate opens would go unmasked). The matchers hold exactly
         the known tokens here, so the drafts that remain are the ones the masks can verify."""
-        if cut is None:
-            return
         for request in self.live:
             state, drafts = request.structured_output, request.spec_token_ids
             if drafts and not request.is_finished():
