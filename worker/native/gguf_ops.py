@@ -54,7 +54,10 @@ class GgufType:
 _TYPES = (GgufType("Q4_0", 2, 32, 18, (0,)), GgufType("Q4_1", 3, 32, 20, (0, 2)),
           GgufType("Q5_0", 6, 32, 22, (0,)), GgufType("Q5_1", 7, 32, 24, (0, 2)),
           GgufType("Q8_0", 8, 32, 34, (0,)), GgufType("Q4_K", 12, 256, 144, (0, 2)),
-          GgufType("Q5_K", 13, 256, 176, (0, 2)), GgufType("Q6_K", 14, 256, 210, (208,)))
+          GgufType("Q5_K", 13, 256, 176, (0, 2)), GgufType("Q6_K", 14, 256, 210, (208,)),
+          # GGML's plain int8 (w = q), run in blocks of 32 (K a multiple of 32): the weights of
+          # weight-only int8, whose per-row scales the caller applies to the products.
+          GgufType("I8", 24, 32, 32, ()))
 # The types with kernels, by name and by code (a gguf.GGMLQuantizationType works as a code).
 GGUF_TYPES: dict[str | int, GgufType] = {**{t.name: t for t in _TYPES},
                                           **{t.code: t for t in _TYPES}}
@@ -180,8 +183,10 @@ def dequantize_reference(qweight: torch.Tensor, qtype: str | int, n: int,
     import gguf.quants
 
     t = gguf_type(qtype)
-    w = _weight_rows(qweight, t, n, k).contiguous().numpy()
-    return torch.from_numpy(gguf.quants.dequantize(w, t.code).reshape(n, k))
+    w = _weight_rows(qweight, t, n, k).contiguous()
+    if t.name == "I8":  # gguf.quants has no I8 decoder: the values are the weights
+        return w.view(torch.int8).float()
+    return torch.from_numpy(gguf.quants.dequantize(w.numpy(), t.code).reshape(n, k))
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int, *,
