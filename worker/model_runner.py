@@ -11,7 +11,8 @@ from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
-from worker.models.loader import load_model
+from worker.layers.quantization.registry import resolve_quantization
+from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.sample.sampler import Sampler
 from worker.step_inputs import prepare_step
@@ -31,15 +32,21 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)
+        self.quantization = resolve_quantization(config.quantization,
+                                                 self.model_config.quantization)
+        if self.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
         # The dtype of weights, activations and KV cache (float32 on a CPU without native
-        # support for the requested half dtype); residual stream and norms are float32.
-        self.dtype = resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
-                                           self.device)
+        # support for the requested half dtype, and with quantized weights); residual stream
+        # and norms are float32.
+        self.dtype = (torch.float32 if self.quantization != "none" else resolve_compute_dtype(
+            self.model_config.resolve_dtype(config.dtype), self.device))
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
-                                self.tp, self.attention, self.max_model_len)
+                                self.tp, self.attention, self.max_model_len, self.quantization)
+        self.weights_summary = weights_summary(self.model, self.quantization)
         self.kv_cache_spec = self.model.kv_cache_spec()
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
