@@ -10,16 +10,19 @@ from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
 from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
 from protocol import EngineConfig
+from worker.layers.quantization.registry import resolve_quantization
+from worker.models.config import read_config_json
 
 
 def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient, InputProcessor]:
     """The running engine for `model` and the engine options in `engine_args` (the fields of
     `EngineConfig`), and the input processor that validates requests against it."""
-    model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
+    model = resolve_model(model)  # a name, a .gguf file, org/name: its directory
     if not os.path.isdir(model):
-        raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
-                         "(nothing is downloaded from a model hub)")
+        raise ValueError(f"model must be a Hugging Face style directory, a .gguf file, a "
+                         f"known name or a Hugging Face org/name, got {model!r}")
     config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
+    _check_quantization(config)
     engine = EngineClient(config)  # the processes start while we load the tokenizer
     try:
         tokenizer = load_tokenizer(config.model)
@@ -30,3 +33,10 @@ def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient,
         raise
     return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
                                   config.max_logprobs)
+
+
+def _check_quantization(config: EngineConfig) -> None:
+    """A --quantization the model cannot run with fails here, before any process starts."""
+    hf = read_config_json(config.model)
+    checkpoint = (hf.get("quantization_config") or {}).get("quant_method", "none")
+    resolve_quantization(config.quantization, checkpoint)
