@@ -139,6 +139,8 @@ def test_embedding_and_tied_lm_head(world):
         head = ParallelLMHead(vocab, hidden, tp, config, "lm_head")
         embed.weight_loader(embed.weight, w)
         head.weight = embed.weight  # tied, as the model ties them
+        _finish(embed)
+        _finish(head)
         lo, rows = embed.vocab_start, embed.rows_per_rank
         owned = (ids >= lo) & (ids < lo + rows)
         got = embed.quant_method.embedding(embed, (ids - lo).clamp(0, rows - 1))

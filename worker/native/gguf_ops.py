@@ -75,7 +75,7 @@ def supported(qtype: str | int) -> bool:
     return qtype in GGUF_TYPES
 
 
-def _weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Tensor:
+def weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Tensor:
     """qweight as [n, row_bytes] uint8 CPU bytes with contiguous rows (a view; raises
     otherwise)."""
     row = t.row_bytes(k)
@@ -103,7 +103,7 @@ class GgufOps:
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N])."""
         t = GGUF_TYPES.get(qtype) or gguf_type(qtype)
-        w = _weight_rows(qweight, t, n, k)
+        w = weight_rows(qweight, t, n, k)
         x2 = x if x.dim() == 2 and x.stride(1) == 1 else _activation_rows(x, k)
         if x2.dtype != torch.float32 or x2.shape[1] != k or not x2.is_cpu:
             _activation_rows(x, k)  # raises (the fast path above skips the checks)
@@ -125,7 +125,7 @@ class GgufOps:
     def dequantize(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
         """The weights as float32 [N, K], exactly gguf.quants.dequantize's values."""
         t = gguf_type(qtype)
-        w = _weight_rows(qweight, t, n, k)
+        w = weight_rows(qweight, t, n, k)
         out = torch.empty((n, k), dtype=torch.float32)
         _check(self._dequantize(t.code, w.data_ptr(), w.stride(0), out.data_ptr(), k, n, k),
                "gguf_dequantize")
@@ -183,7 +183,7 @@ def dequantize_reference(qweight: torch.Tensor, qtype: str | int, n: int,
     import gguf.quants
 
     t = gguf_type(qtype)
-    w = _weight_rows(qweight, t, n, k).contiguous()
+    w = weight_rows(qweight, t, n, k).contiguous()
     if t.name == "I8":  # gguf.quants has no I8 decoder: the values are the weights
         return w.view(torch.int8).float()
     return torch.from_numpy(gguf.quants.dequantize(w.numpy(), t.code).reshape(n, k))

@@ -27,6 +27,7 @@ from worker.layers.quantization.unquantized import (
     UnquantizedLMHeadMethod,
 )
 from worker.native import gguf_ops
+from worker.native.gguf_matrix import GgufMatrix
 from worker.native.gguf_ops import GgufType
 
 
@@ -89,27 +90,25 @@ class GGUFLinearMethod(LinearMethodBase):
         layer.in_per_rank = in_per_rank
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Each segment's rows, as the kernels take them (views of `weight`)."""
+        """Each segment's rows bound for the kernels (views of `weight`)."""
         k = layer.in_per_rank
-        layer.gguf_views = [(layer.weight.data[s.start:s.stop, :s.qtype.row_bytes(k)], s)
-                            for s in layer.gguf_segments]
+        layer.gguf_matrices = [
+            (GgufMatrix(layer.weight.data[s.start:s.stop, :s.qtype.row_bytes(k)], s.qtype.code,
+                        s.stop - s.start, k), s.start, s.stop) for s in layer.gguf_segments]
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        k = layer.in_per_rank
-        views = layer.gguf_views
-        if len(views) == 1:
-            w, s = views[0]
-            y = gguf_ops.matmul(x, w, s.qtype.code, s.stop - s.start, k)
+        """x [tokens, in_per_rank] float32 -> [tokens, out_per_rank] float32."""
+        matrices = layer.gguf_matrices
+        if len(matrices) == 1:
+            y = matrices[0][0](x)
         else:
-            y = x.new_empty((*x.shape[:-1], layer.weight.shape[0]))
-            flat = y.view(-1, y.shape[-1])
-            for w, s in views:
-                gguf_ops.matmul(x, w, s.qtype.code, s.stop - s.start, k,
-                                out=flat[:, s.start:s.stop])
+            y = x.new_empty((x.shape[0], layer.weight.shape[0]))
+            for matrix, start, stop in matrices:
+                matrix(x, out=y[:, start:stop])
         return y if bias is None else y.add_(bias)
 
 
@@ -144,7 +143,9 @@ class GGUFLMHeadMethod(LinearMethodBase):
         layer.hidden_size = in_per_rank
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """The blocks are final as loaded."""
+        """The blocks bound for the kernels (a tied head's are the embedding's, tied by now)."""
+        w = layer.weight.data
+        layer.gguf_matrix = GgufMatrix(w, self.qtype.code, w.shape[0], layer.hidden_size)
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
@@ -152,8 +153,7 @@ class GGUFLMHeadMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] -> [n, rows_per_rank] float32."""
-        w = layer.weight
-        y = gguf_ops.matmul(x.float(), w, self.qtype.code, w.shape[0], layer.hidden_size)
+        y = layer.gguf_matrix(x.float())
         return y if bias is None else y.add_(bias)
 
 

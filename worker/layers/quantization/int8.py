@@ -21,6 +21,7 @@ from worker.layers.quantization.base import (
 )
 from worker.layers.quantization.unquantized import UnquantizedEmbeddingMethod
 from worker.native import gguf_ops
+from worker.native.gguf_matrix import GgufMatrix
 
 I8 = gguf_ops.gguf_type("I8")
 
@@ -34,13 +35,28 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+class Int8Matrix:
+    """W = scale[:, None] * q (q int8 [N, K], scale float32 [N]) bound for many products:
+    the I8 kernel where K is whole blocks of 32, else torch's `_weight_int8pack_mm`."""
+
+    __slots__ = ("q", "scale", "_matrix")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.q, self.scale = q, scale
+        n, k = q.shape
+        self._matrix = (GgufMatrix(q.view(torch.uint8), I8.code, n, k)
+                        if k % I8.block_elems == 0 else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32."""
+        if self._matrix is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return self._matrix(x).mul_(self.scale)
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] float32 · (scale * q)ᵀ -> [..., N] float32."""
-    n, k = q.shape
-    if k % I8.block_elems:
-        return torch.ops.aten._weight_int8pack_mm(x.reshape(-1, k), q, scale).view(
-            *x.shape[:-1], n)
-    return gguf_ops.matmul(x, q.view(torch.uint8), I8.code, n, k).mul_(scale)
+    """x [M, K] float32 · (scale * q)ᵀ -> [M, N] float32 (one product; layers bind)."""
+    return Int8Matrix(q, scale)(x)
 
 
 class Int8LinearMethod(LinearMethodBase):
@@ -54,13 +70,15 @@ class Int8LinearMethod(LinearMethodBase):
         q, scale = quantize_rows(layer.weight)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = scale
+        layer.int8_matrix = Int8Matrix(q, scale)
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = int8_matmul(x.float(), layer.weight, layer.weight_scale)
+        """x [tokens, in_per_rank] float32 -> [tokens, out_per_rank] float32."""
+        y = layer.int8_matrix(x)
         return y if bias is None else y.add_(bias)
 
 
@@ -73,13 +91,15 @@ class Int8LMHeadMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.weight_int8, layer.weight_scale = quantize_rows(layer.weight)
+        layer.int8_matrix = Int8Matrix(layer.weight_int8, layer.weight_scale)
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = int8_matmul(x.float(), layer.weight_int8, layer.weight_scale)
+        """x [n, hidden] -> [n, rows_per_rank] float32."""
+        y = layer.int8_matrix(x.float())
         return y if bias is None else y.add_(bias)
 
 
