@@ -83,10 +83,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(hf_dir: str, path: str, qtype: TypeChoice = None,
-               architecture: str = "llama") -> dict[str, np.ndarray]:
-    """The HF model in `hf_dir` as a GGUF file (2-D weights quantized as `qtype` says);
-    returns the tensors a faithful reader must give back, by HF name (dequantized)."""
+def write_gguf(hf_dir: str, path: str, qtype: TypeChoice = None, architecture: str = "llama",
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The HF model in `hf_dir` as a GGUF file (2-D weights quantized as `qtype` says, plus
+    `extra` tensors by GGUF name); returns the tensors a faithful reader must give back, by
+    HF name (dequantized)."""
     from safetensors.numpy import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -111,6 +112,8 @@ def write_gguf(hf_dir: str, path: str, qtype: TypeChoice = None,
             stored = gguf.quants.dequantize(blocks, chosen)
         writer.add_tensor(gguf_name, stored) if chosen is None else None
         expected[hf_name] = _unpermute(stored, rope_heads) if rope_heads else stored
+    for gguf_name, data in (extra or {}).items():
+        writer.add_tensor(gguf_name, data)
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
                  writer.write_tensors_to_file, writer.close):
         step()

@@ -95,6 +95,15 @@ def _write_raw(path: str, architecture: str, tensors: dict[str, tuple[np.ndarray
         step()
 
 
+def test_llama3_rope_factors_without_scaling_are_refused(tmp_path):
+    hf = make_tiny_model(str(tmp_path / "hf"), tokenizer=True)
+    path = str(tmp_path / "rope.gguf")
+    write_gguf(hf, path, extra={"rope_freqs.weight": np.ones(8, np.float32)})
+    with pytest.raises(GGUFFileError, match="rope_freqs.weight"):
+        LLM(path)
+    assert _no_children()
+
+
 def test_bad_files_fail_at_startup_naming_the_problem(tiny_gguf, tmp_path):
     truncated = str(tmp_path / "truncated.gguf")
     with open(tiny_gguf, "rb") as f:

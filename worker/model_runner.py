@@ -1,6 +1,8 @@
 """Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from protocol.engine_config import EngineConfig
@@ -16,6 +18,8 @@ from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.sample.sampler import Sampler
 from worker.step_inputs import prepare_step
+
+logger = logging.getLogger("deltaserve")
 
 
 class ModelRunner:
@@ -41,6 +45,9 @@ class ModelRunner:
         # and norms are float32.
         self.dtype = (torch.float32 if self.quantization != "none" else resolve_compute_dtype(
             self.model_config.resolve_dtype(config.dtype), self.device))
+        if self.quantization != "none" and config.dtype not in ("auto", "float32"):
+            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
+                           "dense weights only", self.quantization, config.dtype)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.attention = make_attention_backend(config.attention_backend, self.device)

@@ -53,6 +53,11 @@ def _config_dict(config: Any, checkpoint: GGUFCheckpoint, gguf_name: str) -> dic
         raise GGUFConversionError(f"{checkpoint.path} holds a {hf.get('model_type')!r} model; "
                                   f"supported: {', '.join(_ARCHITECTURES)}")
     hf["architectures"] = [_ARCHITECTURES[hf["model_type"]]]
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if checkpoint.rope_freqs and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise GGUFFileError(f"{checkpoint.path}: tensor 'rope_freqs.weight' (Llama 3 RoPE "
+                            "factors) comes without a llama3 rope_scaling in its config; "
+                            "run its Hugging Face directory instead")
     hf["tie_word_embeddings"] = "lm_head.weight" not in checkpoint.types
     hf["dtype"] = "float32"  # what dequantized tensors are
     hf["quantization_config"] = {"quant_method": "gguf", "gguf_file": gguf_name}

@@ -9,6 +9,7 @@ whole rows, so blocks stay intact. Tensor shapes in a GGUF file are listed inner
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_IGNORED = ("rope_freqs.weight",)  # Llama 3 RoPE factors: config.json carries the scaling
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: config.json must carry the scaling
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
 
@@ -55,6 +56,7 @@ def rope_unpermute(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
+@functools.cache
 def _dequantizable(code: int) -> bool:
     """gguf.quants has a decoder for this GGML type (tried on one zero block)."""
     import gguf.quants
@@ -94,8 +96,10 @@ class GGUFCheckpoint:
 
     def _named_tensors(self) -> dict[str, object]:
         named, size = {}, os.path.getsize(self.path)
+        self.rope_freqs = False
         for t in self.reader.tensors:
-            if t.name in _IGNORED:
+            if t.name == ROPE_FREQS:
+                self.rope_freqs = True
                 continue
             name = hf_name(t.name)
             if name is None:
