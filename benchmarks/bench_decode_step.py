@@ -31,6 +31,7 @@ ORIGINAL = {"prepare_step": model_runner.prepare_step, "silu_and_mul": llama.sil
 PARTS = ["qkv_proj", "rope", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
          "down_proj", "norms", "embedding"]
 STEPS = 100
+KV_BYTES = 1 << 28
 
 
 class Timers:
@@ -102,7 +103,8 @@ def _step(sched: Scheduler, runner: ModelRunner, timers: Timers) -> None:
 
 def engine_ms_per_token(model_dir: str, quantization: str) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=STEPS + 1, ignore_eos=True)
-    with LLM(model_dir, quantization=quantization, max_model_len=1024) as llm:
+    with LLM(model_dir, quantization=quantization, max_model_len=1024,
+             kv_cache_memory_bytes=KV_BYTES) as llm:
         llm.generate([{"prompt_token_ids": list(range(1, 30))}], params, use_tqdm=False)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": list(range(1, 30))}], params, use_tqdm=False)

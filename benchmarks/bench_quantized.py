@@ -46,11 +46,11 @@ def weight_mib(llm: LLM) -> float:
     return float(re.search(r"([\d.]+) MiB\)$", llm.inputs.ready.quantization).group(1))
 
 
-def ours_stream(llm: LLM) -> tuple[float, float]:
+def ours_stream(llm: LLM, chats: list[str]) -> tuple[float, float]:
     """(tokens, seconds) of the chats one at a time."""
     params = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
     tokens, seconds = 0, 0.0
-    for chat in CHATS:
+    for chat in chats:
         start = time.perf_counter()
         (out,) = llm.chat([{"role": "user", "content": chat}], params, use_tqdm=False)
         seconds += time.perf_counter() - start
@@ -58,9 +58,9 @@ def ours_stream(llm: LLM) -> tuple[float, float]:
     return tokens, seconds
 
 
-def llamacpp_stream(peer: Peer) -> tuple[float, float]:
+def llamacpp_stream(peer: Peer, chats: list[str]) -> tuple[float, float]:
     tokens, seconds = 0, 0.0
-    for chat in CHATS:
+    for chat in chats:
         reply = peer.call("chat", messages=[{"role": "user", "content": chat}],
                           max_tokens=STREAM_TOKENS)
         tokens += reply["tokens"]
@@ -84,34 +84,37 @@ def _timed(fn) -> float:
 def interleave(engines: dict, rounds: int) -> dict[str, list[float]]:
     """tok/s per round of each engine, the engines alternating within every round."""
     rates: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, run in engines.items():
             tokens, seconds = run()
             rates[name].append(tokens / seconds)
+        print(f"  round {i + 1}: " + ", ".join(f"{name} {r[-1]:,.1f}" for name, r in
+                                              rates.items()), flush=True)
     return rates
 
 
 def stream_section(args, smollm2: str) -> None:
-    engines, sizes = {}, {}
-    with LLM(smollm2, max_model_len=1024) as gguf, \
-            LLM(smollm2, quantization="none", max_model_len=1024) as dense:
+    engines, sizes, chats = {}, {}, CHATS[:args.chats]
+    small = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28,
+             "num_threads": args.threads}
+    with LLM(smollm2, **small) as gguf, LLM(smollm2, quantization="none", **small) as dense:
         for name, llm in (("gguf", gguf), ("float32", dense)):
-            engines[name] = lambda llm=llm: ours_stream(llm)
+            engines[name] = lambda llm=llm: ours_stream(llm, chats)
             sizes[name] = weight_mib(llm)
         peer = None
         if args.llamacpp_python:
             peer = Peer(args.llamacpp_python, "_llamacpp_peer.py")
             path = os.path.join(smollm2, _gguf_file(smollm2))
-            info = peer.call("init", model_path=path, n_ctx=1024, n_threads=2)
+            info = peer.call("init", model_path=path, n_ctx=1024, n_threads=args.threads)
             print(f"llama.cpp {info['version']}: {info['system_info']}")
-            engines["llama.cpp"] = lambda: llamacpp_stream(peer)
+            engines["llama.cpp"] = lambda: llamacpp_stream(peer, chats)
         for run in engines.values():
             run()  # warm-up
         rates = interleave(engines, args.rounds)
         if peer is not None:
             peer.close()
-    print(f"one stream, {len(CHATS)} chats x {STREAM_TOKENS} tokens, {args.rounds} rounds "
-          "(output tok/s, whole calls):")
+    print(f"one stream, {len(chats)} chats x {STREAM_TOKENS} tokens, {args.threads} threads, "
+          f"{args.rounds} rounds (output tok/s, whole calls):")
     for name, values in rates.items():
         print(f"  {name:9s} {spread(values)}")
     med = {name: statistics.median(v) for name, v in rates.items()}
@@ -155,7 +158,7 @@ def batch_section(args, smollm2: str) -> None:
             runs["vLLM float32"] = lambda p, n: vllm_generate(peer, p, n)
         for run in runs.values():
             run(make_prompts(8, 16, 4096, 1), 8)  # warm-up
-        for num, in_len, out_len in SHAPES:
+        for num, in_len, out_len in args.shapes:
             prompts = make_prompts(num, in_len, 49152, args.seed)
             engines = {name: (lambda r=run: _generated(r(prompts, out_len)))
                        for name, run in runs.items()}
@@ -178,8 +181,9 @@ def _generated(result: tuple[float, list]) -> tuple[int, float]:
 
 def int8_section(args) -> None:
     prompts = make_prompts(64, 32, 1024, args.seed)
-    with LLM(SHIPPED_MODEL, dtype="float32", max_model_len=512) as dense, \
-            LLM(SHIPPED_MODEL, quantization="int8", max_model_len=512) as int8:
+    small = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28}
+    with LLM(SHIPPED_MODEL, dtype="float32", **small) as dense, \
+            LLM(SHIPPED_MODEL, quantization="int8", **small) as int8:
         engines = {}
         for name, llm in (("float32", dense), ("int8", int8)):
             engines[f"{name} 64x(32,64)"] = lambda llm=llm: _generated(
@@ -224,8 +228,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llamacpp-python", default=None)
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--threads", type=int, default=2, help="stream: threads per engine")
+    parser.add_argument("--chats", type=int, default=len(CHATS), help="stream: chats per round")
+    parser.add_argument("--shape", action="append", default=[], metavar="N,IN,OUT",
+                        help="batch shapes (default: 32,64,64 and 256,128,128)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    args.shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] or SHAPES
+    torch.set_num_threads(args.threads)
     smollm2 = download_model("smollm2")
     for section in args.sections:
         if section == "stream":
