@@ -7,6 +7,8 @@ inside a timed region. Ops:
   offline_init {model, dtype, max_model_len, max_num_seqs, kv_cache_memory_bytes,
                 max_num_batched_tokens?}              -> {version, config}
   generate {prompts: [[ids]], max_tokens}             -> {seconds, token_ids}   (generate only)
+  generate_structured {prompts: [[ids]], schemas: [schema | null], max_tokens, ignore_eos}
+                          -> {seconds, token_ids, texts, finish_reasons}   (greedy)
   sched_init {num_requests, prompt_len, block_size, enable_prefix_caching, max_tokens}
   sched_round {steps}                 -> {us: [per-step schedule + update], running}
   quit
@@ -54,6 +56,26 @@ def generate(prompts: list[list[int]], max_tokens: int) -> dict:
     outs = STATE["llm"].generate(inputs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def generate_structured(prompts: list[list[int]], schemas: list, max_tokens: int,
+                        ignore_eos: bool) -> dict:
+    """Greedy; request i under JSON schema `schemas[i]` (None: unconstrained), with vLLM's
+    defaults for everything else (its default grammar backend, its default whitespace)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                             structured_outputs=None if schema is None
+                             else StructuredOutputsParams(json=schema))
+              for schema in schemas]
+    start = time.perf_counter()
+    outs = STATE["llm"].generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "texts": [o.outputs[0].text for o in outs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs]}
 
 
 def sched_init(model: str, num_requests: int, prompt_len: int, block_size: int,
@@ -146,7 +168,8 @@ def sched_round(steps: int) -> dict:
     return {"us": samples, "running": len(scheduler.running)}
 
 
-OPS = {"offline_init": offline_init, "generate": generate, "sched_init": sched_init,
+OPS = {"offline_init": offline_init, "generate": generate,
+       "generate_structured": generate_structured, "sched_init": sched_init,
        "sched_round": sched_round}
 
 

@@ -18,6 +18,7 @@ import zmq
 from zmq.utils import z85
 
 SECRET_ENV = "DELTASERVE_WORKER_SECRET"
+MAX_SECRET_FILE = 1 << 16  # a secret file is a key, not a document
 
 
 def new_secret() -> str:
@@ -25,9 +26,24 @@ def new_secret() -> str:
 
 
 def read_secret_file(path: str) -> str:
-    """The secret in a file (surrounding whitespace ignored); at least 16 characters."""
-    with open(path) as f:
-        secret = f.read().strip()
+    """The secret in a file: UTF-8 text (surrounding whitespace ignored) of at least 16
+    characters, or raw bytes (e.g. `head -c 32 /dev/urandom`) of at least 16 bytes, which
+    stand as `hex:` and their hex digits. Every process reading the same file derives the
+    same secret. Any problem is a ValueError of one line naming the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read the worker secret file {path!r}: {e.strerror}") from None
+    if len(data) > MAX_SECRET_FILE:
+        raise ValueError(f"the worker secret file {path!r} is over {MAX_SECRET_FILE} bytes")
+    try:
+        secret = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        if len(data) < 16:
+            raise ValueError(f"the worker secret in {path!r} is too short (at least 16 "
+                             "bytes)") from None
+        return "hex:" + data.hex()
     if len(secret) < 16:
         raise ValueError(f"the worker secret in {path!r} is too short (at least 16 characters)")
     return secret

@@ -5,10 +5,18 @@ from collections import deque
 from typing import Protocol
 
 from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.request import Request
+from engine_core.request import Request, RequestStatus
 from engine_core.sched.scheduler import Scheduler
+from engine_core.structured_output.structured_output_manager import StructuredOutputManager
 from protocol.engine_config import EngineConfig
-from protocol.engine_messages import AbortRequests, AddRequest, AddRequests, EngineCoreOutput
+from protocol.engine_messages import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    EngineCoreOutput,
+    GrammarsCompiled,
+)
+from protocol.kv_events import KVEvent
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 
@@ -28,13 +36,20 @@ class PipelinedExecutor(ModelExecutor, Protocol):
 
 
 class EngineCore:
-    """Adds and aborts requests and runs steps: schedule, execute, update."""
+    """Adds and aborts requests and runs steps: schedule, execute, update.
+
+    Everything that changes what the scheduler decides arrives through `handle` (requests,
+    aborts, and the engine's own `GrammarsCompiled`, which the process loop journals), so a
+    replay that feeds the same messages at the same steps decides alike.
+    """
 
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.max_logprobs = max_logprobs
+        self.structured_output = structured_output or StructuredOutputManager()
         self.batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         # Two at most: the scheduler reuses a finished request's handle on the assumption
         # that at most one step is in flight while it schedules (see Scheduler.schedule).
@@ -54,7 +69,18 @@ class EngineCore:
                             async_scheduling=config.async_scheduling),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
             vocab_size)
-        return EngineCore(scheduler, executor, config.max_logprobs)
+        structured_output = StructuredOutputManager(
+            config.model, vocab_size, config.structured_outputs_compile_timeout_s)
+        return EngineCore(scheduler, executor, config.max_logprobs, structured_output)
+
+    def record_kv_events(self) -> None:
+        """Log the prefix cache's changes as KV-cache events (before the first step)."""
+        manager = self.scheduler.kv_cache_manager
+        manager.block_pool.record_kv_events(manager.block_size)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV-cache events since the last call (none unless recorded)."""
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
 
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
@@ -68,46 +94,101 @@ class EngineCore:
             self.scheduler.add_request(request)
         except ValueError as e:
             return [EngineCoreOutput(message.request_id, [], "error", error=str(e))]
+        self.structured_output.add_request(request)  # a constrained request waits for it
         return []
 
     def abort_requests(self, message: AbortRequests) -> list[EngineCoreOutput]:
         return self.scheduler.finish_requests(message.request_ids)
 
-    def handle(self, message: AddRequest | AddRequests | AbortRequests) -> list[EngineCoreOutput]:
+    def apply_grammars(self, message: GrammarsCompiled) -> list[EngineCoreOutput]:
+        """Ready grammars let their requests be scheduled; failed ones finish them."""
+        outputs: list[EngineCoreOutput] = []
+        for request_id in message.ready:
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                continue
+            try:
+                request.structured_output = self.structured_output.matcher_for(request)
+            except ValueError as e:
+                outputs += self.fail_requests([request_id], str(e))
+                continue
+            self.scheduler.unblock_request(request)
+        for failure in message.failed:
+            self.structured_output.discard(failure.request_id)
+            outputs += self.fail_requests([failure.request_id], failure.message)
+        return outputs
+
+    def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
+        """Finish unfinished requests with finish reason "error" and `error` as the reason."""
+        outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        for out in outputs:
+            out.error = error
+        return outputs
+
+    def handle(self, message: AddRequest | AddRequests | AbortRequests | GrammarsCompiled,
+               ) -> list[EngineCoreOutput]:
         if isinstance(message, AddRequest):
             return self.add_request(message)
         if isinstance(message, AddRequests):
             return [out for request in message.requests for out in self.add_request(request)]
+        if isinstance(message, GrammarsCompiled):
+            return self.apply_grammars(message)
         return self.abort_requests(message)
 
+    def poll_grammars(self) -> GrammarsCompiled | None:
+        """What the process loop journals and then `handle`s: grammars that finished (or
+        failed) compiling since the last call."""
+        return self.structured_output.poll()
+
     def has_work(self) -> bool:
-        """Unfinished requests, or steps in flight. Handles that finished since the last step
-        are announced in the next real step, never in an empty one whose timing would depend
-        on the clock."""
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        """Requests that can run, or steps in flight (requests waiting for their grammars
+        are no work until `GrammarsCompiled` says so). Handles that finished since the last
+        step are announced in the next real step, never in an empty one whose timing would
+        depend on the clock."""
+        return self.scheduler.has_runnable_requests() or bool(self.batch_queue)
+
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the masks of its constrained requests."""
+        return self.structured_output.attach_bitmask(self.scheduler.schedule(),
+                                                     self.scheduler.requests_by_handle,
+                                                     self.scheduler.handles.bound)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's answer: tokens, stops, and the constrained requests' matchers."""
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        refused = self.structured_output.accept_tokens(scheduler_output, model_runner_output)
+        if refused:
+            outputs += self.fail_requests([r.request_id for r in refused],
+                                          "the grammar refused a sampled token")
+        return outputs
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """One synchronous step (schedule, execute, update) and the step message it ran: the
         seam unit tests, tools and benchmarks drive (vLLM's `EngineCore.step`). The process
         loop calls `step_with_batch_queue`, which with a queue of one does the same."""
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
-        return scheduler_output, self.scheduler.update_from_output(scheduler_output,
-                                                                   model_runner_output)
+        return scheduler_output, self.update_from_output(scheduler_output, model_runner_output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """One call of the step loop: schedule and submit the next step if there is work and
         room in the queue, then collect the oldest step once the queue is full (or nothing
         else can be scheduled). With a queue of one this is `step()`; with two (async
-        scheduling) the workers run step N+1 while step N's answer is applied."""
-        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < \
+        scheduling) the workers run step N+1 while step N's answer is applied, except while
+        a constrained request has a token in flight: its next mask depends on that token,
+        so step N is collected first."""
+        outputs: list[EngineCoreOutput] = []
+        if self.batch_queue and self.structured_output.waits_for_tokens():
+            outputs = self._collect_oldest()
+        if self.scheduler.has_runnable_requests() and len(self.batch_queue) < \
                 self.batch_queue_size:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.schedule()
             self.executor.submit(scheduler_output)  # type: ignore[attr-defined]
             self.batch_queue.append(scheduler_output)
             if len(self.batch_queue) < self.batch_queue_size:
-                return []
-        return self._collect_oldest() if self.batch_queue else []
+                return outputs
+        return outputs + (self._collect_oldest() if self.batch_queue else [])
 
     def finish_in_flight(self) -> list[EngineCoreOutput]:
         """Collect every step in flight (before shutting down, so each sent step has its
@@ -119,4 +200,4 @@ class EngineCore:
 
     def _collect_oldest(self) -> list[EngineCoreOutput]:
         executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
-        return self.scheduler.update_from_output(self.batch_queue.popleft(), executor.collect())
+        return self.update_from_output(self.batch_queue.popleft(), executor.collect())

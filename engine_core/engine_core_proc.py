@@ -12,6 +12,7 @@ import zmq
 
 from common.process import POLL_MS, become_child, configure_logging
 from engine_core.engine_core import EngineCore
+from engine_core.kv_event_publisher import KVEventPublisher
 from engine_core.workers.worker_failure import WorkerFailure
 from engine_core.workers.worker_group import WorkerGroup
 from protocol import (
@@ -24,9 +25,11 @@ from protocol import (
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    GrammarsCompiled,
     ProtocolError,
     ShutdownEngine,
 )
+from protocol.journal import ENGINE_CORE
 from protocol.journal_header import open_journal
 from protocol.request_salvage import readable_request_ids
 
@@ -56,15 +59,22 @@ class EngineCoreProc:
         self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_address)
         self.decoder, self.encoder = Codec(Channel.FRONTEND_TO_CORE), Codec(Channel.CORE_TO_FRONTEND)
+        self.poller = zmq.Poller()  # the input socket, and the engine's wakeup fd once started
+        self.poller.register(self.input, zmq.POLLIN)
         self.journal = open_journal(config) if config.record_path else None
         self.workers = WorkerGroup(config, self.context, runtime_dir,
                                    self.journal.record if self.journal else None)
         self.engine: EngineCore | None = None
+        self.kv_events: KVEventPublisher | None = None
         self.last_sent = time.monotonic()
         self.refused: list[EngineCoreOutput] = []  # answers to frames we could not decode
 
     def run(self) -> int:
         try:
+            events = self.config.kv_events_config
+            if events is not None and events.enabled:
+                self.kv_events = KVEventPublisher(events, self.config.data_parallel_rank,
+                                                  self.context)
             self.engine = self._start()
             self._loop()
             return 0
@@ -75,7 +85,11 @@ class EngineCoreProc:
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self._send(EngineFailed(f"engine_core failed: {type(e).__name__}: {e}"))
         finally:
+            if self.engine is not None:
+                self.engine.structured_output.shutdown()
             self.workers.shutdown()
+            if self.kv_events is not None:
+                self.kv_events.close()
             if self.journal is not None:
                 self.journal.close()
             self.input.close(linger=0)
@@ -88,6 +102,8 @@ class EngineCoreProc:
         c = self.config
         engine = EngineCore.from_config(c, self.workers, ready.num_blocks, ready.max_model_len,
                                         ready.vocab_size)
+        if self.kv_events is not None:
+            engine.record_kv_events()
         self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
                                c.tensor_parallel_size, ready.vocab_size,
                                ready.attention_backend, ready.dtype, ready.quantization))
@@ -97,6 +113,7 @@ class EngineCoreProc:
                     "tensor_parallel_size=%d attention_backend=%s", c.model,
                     ready.quantization, ready.dtype, c.tensor_parallel_size,
                     ready.attention_backend)
+        self.poller.register(engine.structured_output.wakeup_fd, zmq.POLLIN)
         return engine
 
     def _loop(self) -> None:
@@ -109,7 +126,16 @@ class EngineCoreProc:
                 if isinstance(message, ShutdownEngine):
                     engine.finish_in_flight()
                     return
+                if isinstance(message, GrammarsCompiled):  # ours to say, never the front-end's
+                    self.decoder.dropped.warn("dropped a GrammarsCompiled from the front-end")
+                    continue
                 outputs += engine.handle(message)
+            compiled = engine.poll_grammars()
+            if compiled is not None:  # an input like any other: journaled, then applied
+                if self.journal is not None:
+                    self.journal.record(Channel.FRONTEND_TO_CORE, self.decoder.encode(compiled),
+                                        self._step(), ENGINE_CORE)
+                outputs += engine.handle(compiled)
             outputs += self.refused
             self.refused = []
             if engine.has_work():
@@ -119,6 +145,10 @@ class EngineCoreProc:
                 if was_busy:  # audit the block pool whenever the engine goes idle
                     engine.scheduler.check_integrity()
             was_busy = busy
+            if self.kv_events is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self.kv_events.publish(events)
             if outputs or (busy and time.monotonic() - self.last_sent > HEARTBEAT_S):
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
@@ -131,8 +161,11 @@ class EngineCoreProc:
         self.last_sent = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> list[AddRequest | AbortRequests | ShutdownEngine]:
-        return self.decoder.receive_all(self.input, timeout_ms, self._record_input,
-                                        self._refuse)
+        """The front-end's messages, waiting up to timeout_ms for the first one or for a
+        grammar compile to end."""
+        if timeout_ms:
+            self.poller.poll(timeout_ms)
+        return self.decoder.receive_all(self.input, 0, self._record_input, self._refuse)
 
     def _refuse(self, frame: bytes, error: ProtocolError) -> None:
         """An undecodable frame: every request id we can still read gets an error answer."""
@@ -166,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             holder[0].workers.kill_local()
         shutil.rmtree(args.runtime_dir, ignore_errors=True)
 
-    become_child("deltaserve::engine_core", orphaned)
+    replica = f"_dp{config.data_parallel_rank}" if config.data_parallel_size > 1 else ""
+    become_child(f"deltaserve::engine_core{replica}", orphaned)
     configure_logging()
-    holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    try:
+        holder.append(EngineCoreProc(config, args.input, args.output, args.runtime_dir))
+    except ValueError as e:  # e.g. an unreadable worker secret file: one line, no traceback
+        logger.error("engine core cannot start: %s", e)
+        return 2
     return holder[0].run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import Any
 
 from protocol.sampling_params import SamplingParams
 
@@ -16,6 +17,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+    # Queued but not schedulable yet: its grammar is still compiling. Below PREEMPTED.
+    WAITING_FOR_GRAMMAR = -1
 
 
 # The finish reason a final status reports (the only place it is derived).
@@ -23,6 +27,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -42,7 +47,8 @@ class Request:
                  "priority", "eos_token_id", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
-                 "length_end", "scheduled_time", "block_hash_extra_keys")
+                 "length_end", "scheduled_time", "block_hash_extra_keys", "min_tokens",
+                 "structured_output")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -57,7 +63,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
+        # A constrained request waits for its grammar before it can be scheduled.
+        self.status = (RequestStatus.WAITING if sampling_params.structured_outputs is None
+                       else RequestStatus.WAITING_FOR_GRAMMAR)
         # Wire handle, assigned when first scheduled and kept until the request finishes.
         self.req_id = -1
         # Chained hashes of the full blocks of all_token_ids, extended lazily; the extra
@@ -79,6 +87,11 @@ class Request:
         # scheduling only; they sit after all_token_ids, and only the workers know them).
         self.num_output_placeholders = 0
         self.scheduled_time: float | None = None  # time.time() when first scheduled
+        # Outputs before which stop tokens do not stop it (a grammar may waive the rest).
+        self.min_tokens = sampling_params.min_tokens
+        # Its grammar state (a StructuredOutputRequest) once its grammar is ready; None while
+        # it waits for it, and always for an unconstrained request.
+        self.structured_output: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,7 @@ from launch.async_llm import AsyncLLM
 from launch.errors import EngineDeadError
 from launch.llm import LLM
 from launch.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
-from protocol import SamplingParams
+from protocol import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineDeadError", "RequestOutput",
-           "CompletionOutput", "Logprob", "RequestOutputKind"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "EngineDeadError",
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]

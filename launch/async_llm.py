@@ -16,13 +16,13 @@ import atexit
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from launch.client.engine_client import POLL_MS, EngineClient
+from launch.client.engine_client import POLL_MS, OutputBatch
 from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
 from launch.metrics.stats import IterationStats, StatLogger
@@ -31,7 +31,7 @@ from launch.processing.input_processor import ProcessedInput, PromptType
 from launch.processing.output_processor import OutputProcessor
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
-from protocol import EngineCoreOutput, SamplingParams, SchedulerStats
+from protocol import SamplingParams, SchedulerStats
 
 logger = logging.getLogger("deltaserve")
 
@@ -51,7 +51,7 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
         self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
-        self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)
 
     @classmethod
@@ -116,7 +116,8 @@ class AsyncLLM:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        stats = IterationStats(time.time())
+        stats = IterationStats(time.time(),
+                               engine=self.engine.engine_of(stream.state.child_ids[0]))
         children = self.output_processor.abort_request(request_id, stats)
         stream.notify()
         for stat_logger in self.stat_loggers:
@@ -136,13 +137,15 @@ class AsyncLLM:
             self._handler = asyncio.get_running_loop().create_task(self._handle_outputs())
 
     async def _handle_outputs(self) -> None:
-        socket = zmq.asyncio.Socket.shadow(self.engine.output.underlying)
         try:
+            sockets, wait = self._waiter()
             while True:
-                await socket.poll(POLL_MS, zmq.POLLIN)
-                outputs = self.engine.get_outputs(0)  # also checks the engine is alive
-                if outputs:
-                    self._process(outputs)
+                await wait()
+                # Also checks the engine is alive (with data parallelism: each replica).
+                for batch in self.engine.get_output_batches(0):
+                    self._process(batch)
+                if len(self.engine.output_sockets) != len(sockets):  # a replica died
+                    sockets, wait = self._waiter()
         except EngineDeadError as e:
             self.fail_all(e)
         except Exception as e:  # a bug here must not leave streams hanging
@@ -150,9 +153,23 @@ class AsyncLLM:
             self.fail_all(EngineDeadError(f"the front-end's output handler failed: {e!r}",
                                           "front-end"))
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> None:
-        stats = IterationStats(time.time(), scheduler=self.engine.stats)
-        result = self.output_processor.process_outputs(outputs, stats)
+    def _waiter(self) -> tuple[list[zmq.Socket], Callable[[], Awaitable[object]]]:
+        """The engine's output sockets, and a wait until one is readable (or POLL_MS)."""
+        sockets = self.engine.output_sockets
+        if len(sockets) == 1:
+            socket = zmq.asyncio.Socket.shadow(sockets[0].underlying)
+            return sockets, lambda: socket.poll(POLL_MS, zmq.POLLIN)
+        poller = zmq.asyncio.Poller()
+        for socket in sockets:
+            poller.register(zmq.asyncio.Socket.shadow(socket.underlying), zmq.POLLIN)
+        return sockets, lambda: poller.poll(POLL_MS)
+
+    def _process(self, batch: OutputBatch) -> None:
+        if batch.error is not None:
+            self._fail_lost(batch)
+            return
+        stats = IterationStats(time.time(), scheduler=batch.stats, engine=batch.engine)
+        result = self.output_processor.process_outputs(batch.outputs, stats)
         for state in result.updated:
             self.streams[state.request_id].notify()
         for state in result.finished:
@@ -163,6 +180,16 @@ class AsyncLLM:
             stat_logger.record(stats)
 
     # --- death and shutdown ---------------------------------------------------------------
+
+    def _fail_lost(self, batch: OutputBatch) -> None:
+        """One replica died: its requests end with its error; the others go on."""
+        for state in self.output_processor.drop_requests_of(batch.lost):
+            stream = self.streams.pop(state.request_id, None)
+            if stream is not None:
+                stream.fail(batch.error)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats(),
+                                              engine=batch.engine))
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -177,7 +204,9 @@ class AsyncLLM:
             stream.fail(error)
         # The engine holds nothing any more: gauges read zero, not its last busy report.
         for stat_logger in self.stat_loggers:
-            stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats()))
+            for rank in self.engine.ranks:
+                stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats(),
+                                                  engine=rank))
 
     def shutdown(self) -> None:
         """Fail pending streams, stop the output handler and every engine process."""

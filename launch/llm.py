@@ -11,8 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from launch.client.engine_client import EngineClient
 from launch.client.startup import start_engine
+from launch.errors import EngineDeadError
 from launch.metrics.stats import IterationStats
 from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
@@ -39,7 +39,7 @@ class LLM:
         self._lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
         # Stop the engine even if the caller forgets to: at exit, or when collected.
-        self._finalizer = weakref.finalize(self, EngineClient.shutdown, self.engine)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -64,7 +64,8 @@ class LLM:
                                                    priority[i] if priority else 0)
                           for child_id, seq in zip(state.child_ids, state.sequences)]
                 states.append(state)
-            self.engine.add_requests(batch)  # every request valid: now tracked, and sent
+            # Every request valid: now sent (a request's sequences to one replica), tracked.
+            self.engine.add_requests(batch, [len(state.child_ids) for state in states])
             for state in states:
                 self.output_processor.add_request(state)
             try:
@@ -74,7 +75,8 @@ class LLM:
                                                                    stats)
                     self.engine.abort_requests(result.aborts)
                     progress.update(result, stats)
-            except KeyboardInterrupt:  # leave the engine clean for the caller's next call
+            except (KeyboardInterrupt, EngineDeadError):  # leave the engine clean for the
+                # caller's next call (with data parallelism, a dead replica's peers serve on)
                 self.engine.abort_requests(self.output_processor.abort_all())
                 raise
             finally:

@@ -12,6 +12,8 @@ from protocol.engine_messages import (
                                       EngineReady,
                                       FinishReason,
                                       FrontendToCore,
+                                      GrammarError,
+                                      GrammarsCompiled,
                                       SchedulerStats,
                                       ShutdownEngine,
 )
@@ -19,7 +21,14 @@ from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
-from protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from protocol.scheduler_output import (
+                                       CachedRequestData,
+                                       GrammarBitmask,
+                                       MaskedSchedulerOutput,
+                                       NewRequestData,
+                                       SchedulerOutput,
+)
+from protocol.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from protocol.worker_messages import (
                                       CoreToWorker,
                                       WorkerError,
@@ -35,8 +44,10 @@ __all__ = [
     "HEADER", "PROTOCOL_VERSION", "Channel", "Codec", "ProtocolError", "to_builtins",
     "EngineConfig", "AbortRequests", "AddRequest", "AddRequests", "CoreToFrontend",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
-    "FrontendToCore", "SchedulerStats", "ShutdownEngine", "IntColumn", "ModelRunnerOutput",
-    "SampleLogprobs", "check_prompt", "SamplingParams", "CachedRequestData", "NewRequestData",
-    "SchedulerOutput", "CoreToWorker", "WorkerError", "WorkerHello", "WorkerInit",
-    "WorkerPing", "WorkerReady", "WorkerShutdown", "WorkerToCore",
+    "FrontendToCore", "GrammarError", "GrammarsCompiled", "SchedulerStats", "ShutdownEngine",
+    "IntColumn", "ModelRunnerOutput", "SampleLogprobs", "check_prompt", "SamplingParams",
+    "CachedRequestData", "GrammarBitmask", "MaskedSchedulerOutput", "NewRequestData",
+    "SchedulerOutput", "StructuredOutputsError", "StructuredOutputsParams", "CoreToWorker",
+    "WorkerError", "WorkerHello", "WorkerInit", "WorkerPing", "WorkerReady", "WorkerShutdown",
+    "WorkerToCore",
 ]

@@ -8,10 +8,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.kv_events import KVEventsConfig, parse_kv_events_config
+
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "int8", "none"]
+ExecutorBackend = Literal["mp", "ray"]
 
 
 def _opt(help: str, **extra: Any) -> Meta:
@@ -67,9 +70,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     worker_secret_file: Annotated[str | None, _opt(
         "file holding the secret workers prove themselves with; required with a tcp "
         "worker address (workers on other hosts read the same file)")] = None
+    distributed_executor_backend: Annotated[ExecutorBackend, _opt(
+        "how the workers start: mp, local processes; ray, Ray actors in a placement group "
+        "(the cluster at $RAY_ADDRESS or `ray start`'s, else a local one)")] = "mp"
+    data_parallel_size: Annotated[int, _opt(
+        "engine replicas, each an engine core with its own workers and KV cache; each new "
+        "request goes to the least loaded", aliases=["-dp"])] = 1
+    data_parallel_rank: Annotated[int, _opt(
+        "data-parallel rank of the (first) replica: offsets its KV-event ports and names it "
+        "in KV events and metrics (behind an external load balancer: one per server)")] = 0
+    kv_events_config: Annotated[KVEventsConfig | None, _opt(
+        "KV-cache events as vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true}' (ZeroMQ "
+        "PUB on tcp://127.0.0.1:5557 + rank)")] = None
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
+    structured_outputs_compile_timeout_s: Annotated[float, _opt(
+        "a structured-output grammar that has not compiled after this long fails its "
+        "request")] = 10.0
 
     def __post_init__(self) -> None:
         for field in msgspec.structs.fields(self):
@@ -78,8 +96,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             if choices and value not in choices:
                 raise ValueError(f"{field.name} must be one of {', '.join(choices)}, "
                                  f"got {value!r}")
-        for name in ("tensor_parallel_size", "max_num_seqs", "block_size", "max_model_len",
-                     "num_threads",
+        for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs",
+                     "block_size", "max_model_len", "num_threads",
                      "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -92,25 +110,42 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("long_prefill_token_threshold must be non-negative")
         if self.worker_address is not None and not self.worker_address.startswith("tcp://"):
             raise ValueError(f"worker_address must be tcp://HOST:PORT, got {self.worker_address!r}")
-        if self.worker_address is not None and self.worker_secret_file is None:
+        if self.worker_address is not None and self.worker_secret_file is None and \
+                self.distributed_executor_backend == "mp":
             raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
                              "network must prove they belong to this engine")
-        for name in ("startup_timeout_s", "step_timeout_s"):
+        for name in ("startup_timeout_s", "step_timeout_s",
+                     "structured_outputs_compile_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_scale_out()
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
                                  f"{self.tensor_parallel_size}")
 
+    def _check_scale_out(self) -> None:
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be non-negative, got "
+                             f"{self.data_parallel_rank}")
+        if not isinstance(self.kv_events_config, (KVEventsConfig, type(None))):
+            raise ValueError("kv_events_config must be a KVEventsConfig (EngineConfig.create "
+                             "also takes JSON text or a dict)")
+        if self.distributed_executor_backend == "ray" and self.local_ranks is not None:
+            raise ValueError("local_ranks is for the mp backend: with ray, Ray places every "
+                             "rank")
+
     @staticmethod
     def create(**options: Any) -> EngineConfig:
-        """Like the constructor, but an unknown option is a ValueError naming the known ones."""
+        """Like the constructor, but an unknown option is a ValueError naming the known ones,
+        and kv_events_config may be JSON text or a dict."""
         known = set(EngineConfig.__struct_fields__)
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}")
+        if "kv_events_config" in options:
+            options["kv_events_config"] = parse_kv_events_config(options["kv_events_config"])
         return EngineConfig(**options)
 
     @property

@@ -38,6 +38,21 @@ class ShutdownEngine(WireStruct, tag=12):
     pass
 
 
+class GrammarError(WireStruct):
+    request_id: str
+    message: str
+
+
+class GrammarsCompiled(WireStruct, tag=14):
+    """The engine core's own input, never the front-end's: the grammars of these waiting
+    requests finished compiling (`ready`) or failed (`failed`, each request's error). Compile
+    times vary from run to run, so the engine core records this at the step it notices it and
+    applies it then; a scheduler-only replay applies it at the same step."""
+
+    ready: list[str] = []
+    failed: list[GrammarError] = []
+
+
 # --- engine core -> front-end -------------------------------------------------------------
 
 class EngineCoreOutput(WireStruct):
@@ -95,5 +110,5 @@ class EngineFailed(WireStruct, tag=22):
     process: str = "engine_core"
 
 
-FrontendToCore = AddRequest | AddRequests | AbortRequests | ShutdownEngine
+FrontendToCore = AddRequest | AddRequests | AbortRequests | ShutdownEngine | GrammarsCompiled
 CoreToFrontend = EngineCoreOutputs | EngineReady | EngineFailed

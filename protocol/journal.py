@@ -9,7 +9,8 @@ File layout (integers little-endian):
     then exactly one trailer, the last bytes of the file: a record of kind TRAILER whose body is
         u64 record count | u32 crc32(every byte of the file before the trailer)
 `peer` is the worker rank a frame came from or went to (ALL_PEERS for a step broadcast to
-every rank, NO_PEER on front-end channels and in the trailer).
+every rank, NO_PEER on front-end channels and in the trailer, ENGINE_CORE for an input the
+engine core made itself, such as `GrammarsCompiled`, recorded on the front-end channel).
 
 Invariants: a journal is complete iff it ends with a trailer whose count and checksum agree
 with the bytes before it. The trailer is written only by close(), after the last record, so a
@@ -36,7 +37,7 @@ from protocol.engine_config import EngineConfig
 MAGIC_STEM = b"DSJRNL"
 VERSION = b"02"
 MAGIC = MAGIC_STEM + VERSION
-ALL_PEERS, NO_PEER = 254, 255
+ENGINE_CORE, ALL_PEERS, NO_PEER = 253, 254, 255
 TRAILER = 0xFF  # the record kind of the trailer: never a Channel
 FLUSH_S = 0.1
 RECORD = struct.Struct("<IIBBQQ")  # length, crc, kind, peer, step, timestamp_ns

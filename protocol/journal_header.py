@@ -12,7 +12,7 @@ from protocol.codec import PROTOCOL_VERSION
 from protocol.engine_config import EngineConfig
 from protocol.journal import JournalHeader, JournalWriter
 
-_PACKAGES = ("deltaserve", "torch", "msgspec", "pyzmq", "numpy", "transformers")
+_PACKAGES = ("deltaserve", "torch", "msgspec", "pyzmq", "numpy", "transformers", "llguidance")
 
 
 def weights_hash(model_dir: str) -> str:

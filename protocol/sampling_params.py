@@ -1,6 +1,7 @@
 """Sampling parameters: vLLM's field names and defaults, validated on construction and decode."""
 from __future__ import annotations
 
+from protocol.structured_outputs import StructuredOutputsParams
 from protocol.wire_struct import WireStruct
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
@@ -20,6 +21,8 @@ class SamplingParams(WireStruct):
     `max_tokens=None` means "up to max_model_len"; the front-end resolves it per prompt.
     `top_k` of 0 or -1 disables top-k. A `seed` makes sampling reproducible per request,
     independent of batch composition and identical on every tensor-parallel rank.
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (see `StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -39,6 +42,9 @@ class SamplingParams(WireStruct):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The constraint the output must match (None: free text; one byte on the wire, sent
+    # once with the request).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +84,10 @@ def _check_types(p: SamplingParams) -> None:
         _expect(name, getattr(p, name), bool)
     if p.stop is not None and not all(isinstance(s, str) and s for s in p.stop):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(p.stop)}")
+    if p.structured_outputs is not None and not isinstance(p.structured_outputs,
+                                                           StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                         f"{_short(p.structured_outputs)}")
     if p.stop_token_ids is not None and not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be non-negative ints, got {_short(p.stop_token_ids)}")

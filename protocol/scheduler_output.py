@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from functools import cached_property
+from typing import ClassVar
 
 import msgspec
 
@@ -67,6 +68,19 @@ class CachedRequestData(WireStruct):
         return len(self.req_ids)
 
 
+class GrammarBitmask(WireStruct):
+    """The tokens each constrained request may sample in this step.
+
+    Row i belongs to handle `req_ids[i]` (in the step's request order; only requests that
+    sample in this step and have a constraint). `bitmask` is the rows back to back, each
+    `ceil(vocab_size / 32)` int32 words, little-endian: bit j of word w allows token
+    `32 * w + j`. Every row allows at least one token.
+    """
+
+    req_ids: IntColumn
+    bitmask: bytes
+
+
 class ScheduledTokens(Mapping[int, int]):
     """`num_scheduled_tokens`: handle -> tokens computed in this step, read-only.
 
@@ -111,6 +125,7 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     `finished_req_ids` lists handles finished since the previous step (workers drop them
     before applying anything else); `preempted_req_ids` lists handles preempted in this step
     (their KV is gone, but workers keep their tokens until they resume or finish).
+    `grammar_bitmask` restricts what constrained requests may sample (every rank applies it).
     (`dict=True`, hence `gc=True`, holds the cached properties.)
     """
 
@@ -123,6 +138,10 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     preempted_req_ids: list[int] = []
     # Steps are numbered from 1 without gaps; a worker that sees a gap reports an error.
     step: int = 0
+    # The masks of the step's constrained requests that sample: none here. A step that has
+    # some is a `MaskedSchedulerOutput`, a message of its own tag, so that steps without
+    # them encode exactly as before (msgspec writes every field of an array-like struct).
+    grammar_bitmask: ClassVar[GrammarBitmask | None] = None
 
     def __post_init__(self) -> None:
         tokens = self.num_scheduled_tokens
@@ -155,3 +174,14 @@ class SchedulerOutput(WireStruct, tag=1, dict=True, gc=True):
     @cached_property
     def num_scheduled_tokens_by_handle(self) -> dict[int, int]:
         return dict(zip(self.scheduled_req_ids, self.scheduled_token_counts))
+
+    def with_grammar_bitmask(self, grammar_bitmask: GrammarBitmask) -> MaskedSchedulerOutput:
+        """This step, carrying the masks of its constrained requests."""
+        return MaskedSchedulerOutput(*(getattr(self, name) for name in self.__struct_fields__),
+                                     grammar_bitmask=grammar_bitmask)
+
+
+class MaskedSchedulerOutput(SchedulerOutput, tag=3):
+    """A step with constrained requests that sample: `SchedulerOutput` plus their masks."""
+
+    grammar_bitmask: GrammarBitmask | None = None

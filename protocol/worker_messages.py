@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
-from protocol.scheduler_output import SchedulerOutput
+from protocol.scheduler_output import MaskedSchedulerOutput, SchedulerOutput
 from protocol.wire_struct import WireStruct
 
 # --- engine core -> worker ----------------------------------------------------------------
@@ -60,5 +60,6 @@ class WorkerError(WireStruct, tag=42):
     step: int = 0
 
 
-CoreToWorker = SchedulerOutput | WorkerInit | WorkerShutdown | WorkerPing
+CoreToWorker = (SchedulerOutput | MaskedSchedulerOutput | WorkerInit | WorkerShutdown
+                | WorkerPing)
 WorkerToCore = ModelRunnerOutput | WorkerHello | WorkerReady | WorkerError

@@ -12,11 +12,18 @@ from protocol import (
     AddRequests,
     Channel,
     EngineReady,
+    GrammarsCompiled,
     ModelRunnerOutput,
     SchedulerOutput,
     to_builtins,
 )
-from protocol.journal import JournalError, JournalHeader, JournalRecord, JournalTruncated
+from protocol.journal import (
+    ENGINE_CORE,
+    JournalError,
+    JournalHeader,
+    JournalRecord,
+    JournalTruncated,
+)
 from protocol.journal_reader import JournalReader
 
 
@@ -72,12 +79,16 @@ class RecordedRun:
             end = self.damage.offset if self.damage is not None else None
             raise JournalError(self.path, "the journal ends before the engine was ready", end)
 
-    def frontend_messages(self, record: JournalRecord) -> list[AddRequest | AbortRequests]:
-        """What a front-end frame asked the engine to do (nothing for malformed frames)."""
+    def frontend_messages(self, record: JournalRecord,
+                          ) -> list[AddRequest | AbortRequests | GrammarsCompiled]:
+        """What an input frame asked the engine to do (nothing for malformed frames): the
+        front-end's requests and aborts, and the engine core's own grammar events."""
         if record.channel != Channel.FRONTEND_TO_CORE:
             return []
         if isinstance(record.message, AddRequests):
             return list(record.message.requests)
+        if isinstance(record.message, GrammarsCompiled):  # the engine core's, or dropped
+            return [record.message] if record.peer == ENGINE_CORE else []
         if isinstance(record.message, (AddRequest, AbortRequests)):
             return [record.message]
         return []

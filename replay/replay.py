@@ -38,7 +38,8 @@ def replay_workers(path: str, model: str | None = None, tensor_parallel_size: in
         run.header.engine_config, model=model or run.header.engine_config.model,
         tensor_parallel_size=tensor_parallel_size or run.header.world_size,
         num_gpu_blocks_override=run.ready.num_blocks, max_model_len=run.ready.max_model_len,
-        kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None)
+        kv_cache_memory_bytes=None, record_path=None, worker_address=None, local_ranks=None,
+        distributed_executor_backend="mp", kv_events_config=None)
     steps = [s for s in run.steps if until_step is None or s.step <= until_step]
     while run.truncated and steps and steps[-1].model_runner_output is None:
         steps.pop()  # sent, but the journal ends before its answer
@@ -75,28 +76,33 @@ def _compare_outputs(recorded: ModelRunnerOutput | None, got: ModelRunnerOutput,
 
 
 def replay_scheduler(path: str, out: Print = print, allow_truncated: bool = False) -> int:
-    """Feed the recorded requests and model answers into a fresh scheduler; its step messages
-    must be byte-identical to the recorded ones. 0 if so, 1 at the first difference."""
+    """Feed the recorded requests, grammar events and model answers into a fresh scheduler;
+    its step messages must be byte-identical to the recorded ones. 0 if so, 1 at the first
+    difference. Constrained requests have their grammars compiled here, when the journal says
+    they became ready (the recorded model directory's tokenizer is needed for that)."""
     run = open_run(path, allow_truncated, out)
     engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
                                     run.ready.max_model_len, run.ready.vocab_size)
     codec = Codec(Channel.CORE_TO_WORKER)
     pending: dict[int, SchedulerOutput] = {}  # by step: async scheduling keeps two in flight
     steps = 0
-    for record in run.records:
-        for message in run.frontend_messages(record):
-            engine.handle(message)
-        if isinstance(record.message, SchedulerOutput):
-            decided = engine.scheduler.schedule()
-            if bytes(codec.encode(decided)) != record.frame:
-                out(f"step {record.message.step}: the scheduler decides differently\n"
-                    + unified_diff(readable(record.message), readable(decided)))
-                return 1
-            pending[decided.step] = decided
-            steps += 1
-        elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 \
-                and record.message.step in pending:
-            engine.scheduler.update_from_output(pending.pop(record.message.step), record.message)
+    try:
+        for record in run.records:
+            for message in run.frontend_messages(record):
+                engine.handle(message)
+            if isinstance(record.message, SchedulerOutput):
+                decided = engine.schedule()
+                if bytes(codec.encode(decided)) != record.frame:
+                    out(f"step {record.message.step}: the scheduler decides differently\n"
+                        + unified_diff(readable(record.message), readable(decided)))
+                    return 1
+                pending[decided.step] = decided
+                steps += 1
+            elif isinstance(record.message, ModelRunnerOutput) and record.peer == 0 \
+                    and record.message.step in pending:
+                engine.update_from_output(pending.pop(record.message.step), record.message)
+    finally:
+        engine.structured_output.shutdown()
     out(f"all {steps} scheduler steps are byte-identical"
         + (f" ({_TRUNCATED})" if run.truncated else ""))
     return 0

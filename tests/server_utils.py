@@ -69,14 +69,18 @@ class Server:
         self.log.seek(0)
         return self.log.read()[-5000:]
 
-    def metrics(self) -> dict[str, float]:
-        """Samples of /metrics as {'name{labels}': value}, model_name label dropped."""
+    def metrics(self, engine: str | None = "0") -> dict[str, float]:
+        """Samples of /metrics as {'name{labels}': value}, model_name label dropped, and the
+        `engine` label too when it is `engine` (None: every engine's, labelled)."""
         text = httpx.get(self.url + "/metrics", timeout=5.0).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 key, _, value = line.rpartition(" ")
                 key = re.sub(r',?model_name="[^"]*"', "", key).replace("{,", "{")
+                if engine is not None:
+                    key = key.replace(f'engine="{engine}"', "").replace("{,", "{")
+                    key = key.replace(",}", "}")
                 samples[key.replace("{}", "")] = float(value)
         return samples
 

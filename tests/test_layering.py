@@ -50,10 +50,14 @@ FORBIDDEN = {
     "launch.entrypoints": ("launch.cli",),
     "engine_core.kv_cache": ("engine_core.sched", "engine_core.workers",
                              "engine_core.engine_core", "engine_core.engine_core_proc"),
-    "engine_core.sched": ("engine_core.workers", "engine_core.engine_core",
-                          "engine_core.engine_core_proc"),
+    "engine_core.sched": ("engine_core.workers", "engine_core.structured_output",
+                          "engine_core.engine_core", "engine_core.engine_core_proc"),
     "engine_core.workers": ("engine_core.sched", "engine_core.kv_cache",
-                            "engine_core.engine_core", "engine_core.engine_core_proc"),
+                            "engine_core.structured_output", "engine_core.engine_core",
+                            "engine_core.engine_core_proc"),
+    "engine_core.structured_output": ("engine_core.sched", "engine_core.kv_cache",
+                                      "engine_core.workers", "engine_core.engine_core",
+                                      "engine_core.engine_core_proc"),
 }
 
 

@@ -276,7 +276,7 @@ def test_metrics(server):
                  "request_queue_time"):
         assert m[f"vllm:{name}_seconds_count"] > 0, name
     text = httpx.get(server.url + "/metrics").text
-    assert 'vllm:num_requests_running{model_name="tiny"}' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
 
 
 def test_llm_generate_from_two_threads(llm):

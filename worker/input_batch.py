@@ -8,7 +8,7 @@ import torch
 
 from protocol.int_column import IntColumn
 from protocol.sampling_params import GREEDY_EPS
-from protocol.scheduler_output import NewRequestData, SchedulerOutput
+from protocol.scheduler_output import GrammarBitmask, NewRequestData, SchedulerOutput
 from worker.sample.metadata import SamplingMetadata
 from worker.sample.sampling_table import SamplingTable
 
@@ -162,17 +162,21 @@ class InputBatch:
 
     # --- sampling ---------------------------------------------------------------------------
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def sampling_metadata(self, rows: np.ndarray, grammar: GrammarBitmask | None = None,
+                          ) -> SamplingMetadata:
         """The sampler's inputs for `rows` (the sampled requests' rows, in logits order): numpy
         gathers, plus per-request Python only for non-greedy rows (their own generators) and
-        rows with penalties or below min_tokens."""
+        rows with penalties or below min_tokens. `grammar`: the step's masks."""
         table = self.sampling
         temperature = table.temperature[rows]
         random = np.flatnonzero(temperature >= GREEDY_EPS)
         penalized = np.flatnonzero(table.penalties[rows])
         views = [self.prompt_and_output(int(rows[i])) for i in penalized]
-        below_min = np.flatnonzero(self.num_tokens[rows] - self.num_prompt_tokens[rows]
-                                   < table.min_tokens[rows])
+        grammar_rows, bitmask = self._grammar(rows, grammar)
+        below = self.num_tokens[rows] - self.num_prompt_tokens[rows] < table.min_tokens[rows]
+        if grammar_rows is not None:
+            below[grammar_rows] = False
+        below_min = np.flatnonzero(below)
         return SamplingMetadata(
             temperature=temperature, all_greedy=not len(random), top_k=table.top_k[rows],
             top_p=table.top_p[rows], min_p=table.min_p[rows],
@@ -182,8 +186,29 @@ class InputBatch:
             penalty_params=[table.params[rows[i]] for i in penalized],
             prompt_tokens=[prompt for prompt, _ in views],
             output_tokens=[output for _, output in views], below_min_tokens=below_min,
-            stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min])
+            stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min],
+            grammar_rows=grammar_rows, grammar_bitmask=bitmask)
 
+    def _grammar(self, rows: np.ndarray, grammar: GrammarBitmask | None,
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The logits rows of the step's masks (increasing) and the masks in that order."""
+        if grammar is None:
+            return None, None
+        batch_rows = self.rows_of(grammar.req_ids)
+        words = -(-(self.vocab_size or 0) // 32)
+        if not words or len(grammar.bitmask) != 4 * words * len(batch_rows):
+            raise StepProtocolError(f"a grammar bitmask of {len(grammar.bitmask)} bytes for "
+                                    f"{len(batch_rows)} rows of {words} words")
+        bitmask = np.frombuffer(grammar.bitmask, "<i4").reshape(len(batch_rows), words)
+        order = np.argsort(rows)
+        found = np.searchsorted(rows, batch_rows, sorter=order)
+        positions = order[np.minimum(found, len(rows) - 1)]
+        if len(rows) == 0 or (rows[positions] != batch_rows).any():
+            raise StepProtocolError("a grammar bitmask names a request that does not sample")
+        if not bitmask.any(axis=1).all():
+            raise StepProtocolError("a grammar bitmask row allows no token")
+        increasing = np.argsort(positions)
+        return positions[increasing], bitmask[increasing]
 
 def as_array(column: IntColumn | list[int]) -> np.ndarray:
     if isinstance(column, IntColumn):

@@ -99,7 +99,7 @@ class ModelRunner:
             return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], step=so.step)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         tokens, logprobs = self.sampler.sample(
-            logits, self.input_batch.sampling_metadata(sampled_rows))
+            logits, self.input_batch.sampling_metadata(sampled_rows, so.grammar_bitmask))
         self.input_batch.append_tokens(sampled_rows, tokens)
         return _output(step.req_ids, step.sampled.nonzero()[0].tolist(), tokens, logprobs,
                        so.step)

@@ -89,7 +89,8 @@ class WorkerProc:
 
     def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
-        torch.set_num_threads(_num_threads(config.num_threads, world))
+        torch.set_num_threads(_num_threads(config.num_threads,
+                                           world * config.data_parallel_size))
         device = resolve_device(config.device, self.rank)  # the ModelRunner's too
         tp = TensorParallel.initialize(self.rank, world, dist_init_method, device)
         runner = ModelRunner(config, tp)
@@ -134,7 +135,8 @@ class WorkerProc:
 
 def _num_threads(configured: int | None, world: int) -> int:
     """As configured; else OMP_NUM_THREADS when the environment sets it (as a test runner or a
-    shared host does); else this machine's cores divided among the ranks."""
+    shared host does); else this machine's cores divided among the ranks (of every
+    data-parallel replica)."""
     if configured:
         return configured
     env = os.environ.get("OMP_NUM_THREADS", "")
@@ -153,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the rank that `args` (parsed with `add_worker_args`' flags) names until the engine
     lets it go; `parser` reports a missing secret."""
-    secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
-              else secret_from_environment())
+    try:
+        secret = (read_secret_file(args.worker_secret_file) if args.worker_secret_file
+                  else secret_from_environment())
+    except ValueError as e:
+        parser.error(str(e))
     if secret is None:
         parser.error(f"a worker needs the engine's secret: --worker-secret-file or ${SECRET_ENV}")
     if os.environ.get("DELTASERVE_PARENT_PID"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine_core.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
+from engine_core.kv_cache.kv_event_log import KVEventLog
+from protocol.kv_events import KVEvent
 
 
 class IntegrityError(RuntimeError):
@@ -29,6 +31,18 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # Every publish and eviction of a hash, in order, while KV events are on.
+        self.kv_events: KVEventLog | None = None
+
+    def record_kv_events(self, block_size: int) -> None:
+        """From now on, log a BlockStored for each published block and a BlockRemoved for
+        each evicted hash (after an AllBlocksCleared: the log starts from an empty cache)."""
+        if self.cached_block_hash_to_block:
+            raise RuntimeError("KV events must be on before the first block is cached")
+        self.kv_events = KVEventLog(block_size)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -43,11 +57,16 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take n blocks from the head of the free list, evicting their old hashes."""
         blocks = self.free_block_queue.popleft_n(n)
+        evicted = [] if self.kv_events is not None else None
         for block in blocks:
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if evicted is not None:
+                    evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+        if evicted:
+            self.kv_events.removed(evicted)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -65,14 +84,22 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
-                          num_cached: int, num_full: int) -> None:
-        """Publish `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`."""
+                          num_cached: int, num_full: int, token_ids: list[int] = (),
+                          extra_keys: tuple[int | str, ...] = ()) -> None:
+        """Publish `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`
+        (`token_ids`, the sequence's tokens, and its hash `extra_keys` only go into KV
+        events)."""
         table = self.cached_block_hash_to_block
+        published = [] if self.kv_events is not None else None
         for i in range(num_cached, num_full):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is None and block_hash not in table:
                 block.block_hash = block_hash
                 table[block_hash] = block
+                if published is not None:
+                    published.append(i)
+        if published:
+            self.kv_events.stored(published, block_hashes, token_ids, extra_keys)
 
     def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
         """Verify free list, ref counts and hash map; raise IntegrityError on any mismatch.

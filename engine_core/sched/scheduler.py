@@ -20,6 +20,8 @@ from protocol.model_runner_output import ModelRunnerOutput
 from protocol.prompt_check import check_prompt
 from protocol.scheduler_output import MAX_NEW_PROMPT_TOKENS, SchedulerOutput
 
+_QUEUED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
+
 
 class Scheduler:
     """Decides each step which tokens of which requests run, in vLLM v1's model.
@@ -61,6 +63,7 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.async_scheduling = scheduler_config.async_scheduling
+        self.num_blocked = 0  # waiting requests whose grammars are not ready
 
     # --- requests in and out ---------------------------------------------------------------
 
@@ -70,11 +73,18 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         check_prompt(request.prompt_token_ids, self.max_model_len,
                      self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size)
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+        if request.status not in _QUEUED or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
         request.length_end = min(request.length_end, self.max_seq_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self.num_blocked += request.status == RequestStatus.WAITING_FOR_GRAMMAR
+
+    def unblock_request(self, request: Request) -> None:
+        """A request waiting for its grammar may be scheduled from now on, in its place."""
+        if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            request.status = RequestStatus.WAITING
+            self.num_blocked -= 1
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -90,6 +100,7 @@ class Scheduler:
                 stopped.append(request)
             else:
                 self.waiting.remove(request)
+                self.num_blocked -= request.status == RequestStatus.WAITING_FOR_GRAMMAR
             request.status = status
             outputs.append(EngineCoreOutput(request_id, [], FINISH_REASONS[status],
                                             num_cached_tokens=max(request.num_cached_tokens, 0)))
@@ -101,6 +112,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def has_runnable_requests(self) -> bool:
+        """Unfinished requests other than those waiting for their grammars."""
+        return bool(self.running) or len(self.waiting) > self.num_blocked
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -197,10 +212,23 @@ class Scheduler:
         return len(running)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in the queue's order; those waiting for their grammars
+        are passed over and keep their places."""
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         while (len(self.waiting) and plan.budget > 0
                and len(self.running) < self.scheduler_config.max_num_seqs):
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.pop())
+                continue
             if plan.new and plan.new_prompt_tokens + request.num_tokens > MAX_NEW_PROMPT_TOKENS:
                 break  # the step message carries every new prompt in full
             hits, num_hit = kv.get_computed_blocks(request)

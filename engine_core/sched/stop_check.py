@@ -13,7 +13,7 @@ def check_stop(request: Request, token_id: int, max_seq_len: int) -> bool:
     """
     params = request.sampling_params
     num_outputs = len(request.output_token_ids)
-    if num_outputs >= params.min_tokens:
+    if num_outputs >= request.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True

@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket as pysocket
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlparse
 
 import psutil
 import zmq
 
-from common.process import POLL_MS, free_port, spawn, stop_processes
+from common.process import POLL_MS, free_port
 from common.worker_auth import SECRET_ENV, new_secret, proof_is_valid, read_secret_file
-from engine_core.workers.worker_failure import LocalWorker, WorkerFailure
+from engine_core.workers.process_launcher import ProcessLauncher
+from engine_core.workers.worker_failure import WorkerFailure
 from engine_core.workers.worker_socket import FrameTap, Unreachable, WorkerSocket
 from protocol import (
     EngineConfig,
@@ -26,6 +27,9 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+
+if TYPE_CHECKING:
+    from engine_core.workers.ray_launcher import RayLauncher
 
 logger = logging.getLogger("deltaserve")
 
@@ -56,11 +60,12 @@ class WorkerGroup:
         self.runtime_dir = runtime_dir
         self.secret = (read_secret_file(config.worker_secret_file)
                        if config.worker_secret_file else new_secret())
-        self.socket = WorkerSocket(context, config.worker_address or
-                                   f"ipc://{runtime_dir}/workers", self.secret,
-                                   encrypt=config.worker_address is not None, tap=tap)
+        self.launcher = _launcher(config)
+        address = config.worker_address or self.launcher.default_address(runtime_dir)
+        self.socket = WorkerSocket(context, address, self.secret,
+                                   encrypt=address.startswith("tcp://"), tap=tap)
         self.address = self.socket.address
-        self.local: dict[int, LocalWorker] = {}
+        self.local: dict[int, Watched] = {}  # the ranks we started, by rank
         self.in_flight: deque[tuple[int, float]] = deque()  # (step, sent at), not collected
         self.started = False  # every rank has reported WorkerReady
 
@@ -71,11 +76,9 @@ class WorkerGroup:
     # --- start-up ---------------------------------------------------------------------------
 
     def start(self) -> WorkerCapacity:
-        all_local = len(self.config.spawned_ranks) == self.world_size
+        all_local = self.launcher.ranks_are_local(self.address)
         env = {SECRET_ENV: self.secret, **({"GLOO_SOCKET_IFNAME": "lo"} if all_local else {})}
-        for rank in self.config.spawned_ranks:
-            proc = spawn("worker", ["--connect", self.address, "--rank", str(rank)], env)
-            self.local[rank] = LocalWorker(rank, proc)
+        self.local = self.launcher.launch(self.address, env)
         init = WorkerInit(self.config, self._rendezvous(all_local))
         ready: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -276,16 +279,30 @@ class WorkerGroup:
                 self.socket.send(identity, self.socket.encoder.encode(WorkerShutdown()))
             except Unreachable:
                 pass  # already gone
-        stop_processes([w.proc for w in self.local.values()])
+        self.launcher.stop()
         self.socket.close()
 
     def kill_local(self) -> None:
-        """Last resort (the engine core's parent is gone): SIGKILL local workers at once."""
-        for worker in self.local.values():
-            try:
-                os.kill(worker.proc.pid, 9)
-            except OSError:
-                pass
+        """Last resort (the engine core's parent is gone): kill our workers at once."""
+        self.launcher.kill()
+
+
+class Watched(Protocol):
+    """A worker this engine core started: a process, or a Ray actor."""
+
+    name: str
+
+    def state(self) -> str: ...
+
+    def failure(self) -> WorkerFailure | None: ...
+
+
+def _launcher(config: EngineConfig) -> ProcessLauncher | RayLauncher:
+    if config.distributed_executor_backend == "ray":
+        from engine_core.workers.ray_launcher import RayLauncher  # Ray is an optional extra
+        return RayLauncher(config.tensor_parallel_size, config.device,
+                           config.startup_timeout_s)
+    return ProcessLauncher(config.tensor_parallel_size, config.spawned_ranks)
 
 
 def _outward_address() -> str:

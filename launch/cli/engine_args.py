@@ -46,11 +46,24 @@ def _value_kwargs(annotation: Any, default: Any) -> dict[str, Any]:
     if choices:
         return {"choices": list(choices), "default": default}
     kind = _non_optional(annotation)
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        return {"type": _json_of(kind), "default": default, "metavar": "JSON"}
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction, "default": default}
     if typing.get_origin(kind) is list:
         return {"type": typing.get_args(kind)[0], "nargs": "*", "default": default}
     return {"type": kind, "default": default}
+
+
+def _json_of(kind: type[msgspec.Struct]) -> Any:
+    """An argparse type: JSON text decoded as `kind`, or one line saying what is wrong."""
+    def parse(text: str) -> msgspec.Struct:
+        try:
+            return msgspec.json.decode(text, type=kind)
+        except (msgspec.DecodeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON for {kind.__name__}: {e}") from None
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _unwrap(annotation: Any) -> tuple[Any, msgspec.Meta | None]:

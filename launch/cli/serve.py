@@ -16,7 +16,10 @@ import sys
 from types import FrameType
 
 from launch.cli.engine_args import add_engine_args, engine_kwargs
+from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.http_limits import HttpLimits, bounded_h11_protocol
+from launch.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
+from launch.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from launch.errors import EngineDeadError
 
 logger = logging.getLogger("deltaserve")
@@ -27,8 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name",
-                        help="the model name clients use (default: the model directory's name)")
+    parser.add_argument("--served-model-name", nargs="+",
+                        help="the model name(s) clients may send; the first is reported in "
+                             "responses and metrics (default: --model, exactly as given)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
                         "but /health, /version and /metrics (prefer $DELTASERVE_API_KEY or "
                         "--api-key-file: a flag's value is visible to every local user in ps)")
@@ -37,8 +41,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "without one or to override its own")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    _add_chat_parser_args(parser)
     _add_http_limit_args(parser)
     add_engine_args(parser)
+
+
+def _add_chat_parser_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tool calls and reasoning")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide to call tools (tool_choice "auto"); needs '
+                            "--tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 "
+                            "<tool_call>{...}</tool_call>; llama3_json: Llama 3.x JSON)")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                       help="move <think>...</think> into reasoning_content; a structured-"
+                            "output constraint then holds the answer after it")
+
+
+def chat_parsers(args: argparse.Namespace) -> ChatParsers:
+    """The parsers `serve` was started with; ValueError for an incomplete pair of flags."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    tool_parser = (get_tool_parser(args.tool_call_parser)
+                   if args.enable_auto_tool_choice else None)
+    reasoning = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+    return ChatParsers(tool_parser, reasoning)
 
 
 def _add_http_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -130,9 +158,11 @@ def serve(args: argparse.Namespace) -> int:
     from launch.metrics.prometheus import PrometheusStatLogger
     from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    names = args.served_model_name or [args.model]
+    name = names[0]
     api_key = api_key_of(args)
     limits = http_limits(args)
+    parsers = chat_parsers(args)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
     previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
@@ -140,8 +170,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
-        app = build_app(engine, name, api_key=api_key, metrics=metrics, limits=limits,
-                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template))
+        metrics.log_cache_config(engine.config, engine.engine.readies)
+        app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
+                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
+                        chat_parsers=parsers)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=bounded_h11_protocol(limits),

@@ -4,6 +4,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 import psutil
@@ -34,6 +36,18 @@ MAX_REQUEST_FRAME = 1 << 30  # the engine core refuses bigger input frames
 SILENCE_MARGIN_S = 10.0
 
 
+@dataclass(slots=True)
+class OutputBatch:
+    """What one replica sent: its outputs and latest stats; or, once it died, the requests it
+    held (`lost`, engine request ids) and why (`error`)."""
+
+    engine: int  # the replica's data-parallel rank (the metrics' `engine` label)
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None
+    lost: list[str] = field(default_factory=list)
+    error: EngineDeadError | None = None
+
+
 class EngineClient:
     """Binds two ipc sockets in a fresh private (0700) runtime directory, one for requests and
     one for outputs, and starts `python -m engine_core`, which connects to both; `wait_ready()`
@@ -61,6 +75,7 @@ class EngineClient:
         self.decoder = Codec(Channel.CORE_TO_FRONTEND)
         self.dead: EngineDeadError | None = None
         self.stats = SchedulerStats()
+        self.rank = config.data_parallel_rank
         self.last_step = 0  # the step of the latest outputs received
         self.proc: subprocess.Popen | None = spawn("engine_core", [
             "--config", msgspec.json.encode(config).decode(),
@@ -87,8 +102,26 @@ class EngineClient:
             self.shutdown()
             raise
 
-    def add_requests(self, requests: list[AddRequest]) -> None:
-        """One frame for all of them: the engine sees the whole batch before its next step."""
+    @property
+    def output_sockets(self) -> list[zmq.Socket]:
+        return [self.output]
+
+    @property
+    def readies(self) -> list[EngineReady]:
+        return [self.ready] if self.ready is not None else []
+
+    @property
+    def ranks(self) -> list[int]:
+        return [self.rank]
+
+    def engine_of(self, request_id: str) -> int:
+        return self.rank
+
+    def add_requests(self, requests: list[AddRequest],
+                     group_sizes: Sequence[int] | None = None) -> None:
+        """One frame for all of them: the engine sees the whole batch before its next step.
+        (`group_sizes`, how many consecutive requests share a prompt, matter only to a
+        data-parallel client.)"""
         message = AddRequests(requests) if len(requests) != 1 else requests[0]
         frame = self.encoder.encode(message)
         if len(frame) > MAX_REQUEST_FRAME:
@@ -117,6 +150,11 @@ class EngineClient:
             if out.finish_reason is not None:
                 self.pending.discard(out.request_id)
         return outputs
+
+    def get_output_batches(self, timeout_ms: int = POLL_MS) -> list[OutputBatch]:
+        """`get_outputs` as the batch of this one engine (none if nothing arrived)."""
+        outputs = self.get_outputs(timeout_ms)
+        return [OutputBatch(self.rank, outputs, self.stats)] if outputs else []
 
     def _send(self, message: msgspec.Struct) -> None:
         self._send_frame(self.encoder.encode(message))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from common.worker_auth import read_secret_file
+from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
@@ -14,16 +16,21 @@ from worker.layers.quantization.registry import resolve_quantization
 from worker.models.config import read_config_json
 
 
-def start_engine(model: str, engine_args: dict[str, Any]) -> tuple[EngineClient, InputProcessor]:
+def start_engine(model: str, engine_args: dict[str, Any]
+                 ) -> tuple[EngineClient | DPEngineClient, InputProcessor]:
     """The running engine for `model` and the engine options in `engine_args` (the fields of
-    `EngineConfig`), and the input processor that validates requests against it."""
+    `EngineConfig`), and the input processor that validates requests against it. With
+    `data_parallel_size` > 1, its replicas behind one client."""
     model = resolve_model(model)  # a name, a .gguf file, org/name: its directory
     if not os.path.isdir(model):
         raise ValueError(f"model must be a Hugging Face style directory, a .gguf file, a "
                          f"known name or a Hugging Face org/name, got {model!r}")
     config = EngineConfig.create(model=os.path.abspath(model), **engine_args)
     _check_quantization(config)
-    engine = EngineClient(config)  # the processes start while we load the tokenizer
+    if config.worker_secret_file is not None:
+        read_secret_file(config.worker_secret_file)  # one clear line now, not in the engine
+    # The processes start while we load the tokenizer.
+    engine = EngineClient(config) if config.data_parallel_size == 1 else DPEngineClient(config)
     try:
         tokenizer = load_tokenizer(config.model)
         stop_token_ids = stop_token_ids_of(config.model, tokenizer)

@@ -30,6 +30,7 @@ class IterationStats:
     finished_reasons: list[str] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
     scheduler: SchedulerStats | None = None
+    engine: int = 0  # the data-parallel rank of the replica these outputs came from
 
 
 class StatLogger(Protocol):

@@ -61,3 +61,12 @@ def find_stop_string(text: str, new_chars: int, stops: list[str],
         return None
     i, stop = best
     return stop, i + len(stop) if include_stop else i
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+    stream must hold back because the next piece may complete the marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

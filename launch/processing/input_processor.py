@@ -5,7 +5,9 @@ Everything the engine core would refuse is refused here first, as a ValueError n
 field, so a bad request fails alone and never reaches the engine: the prompt check the engine
 core applies (`check_prompt`), `SamplingParams`' own validation re-run (a params object may
 have been changed after construction), the engine's caps, and finally a round trip through the
-wire codec, so that what is sent is exactly what the engine core will decode.
+wire codec, so that what is sent is exactly what the engine core will decode. A structured-
+output constraint is checked by the grammar engine the engine core compiles it with (cached
+by its key), so an invalid schema, regex or grammar is refused here too.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core.structured_output.grammar import check_grammar
 from launch.processing.tokenizer import max_token_chars
 from protocol import (
     AddRequest,
@@ -88,6 +91,10 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(params).__name__}")
         params = msgspec.structs.replace(params)  # re-validates a possibly mutated object
+        if params.structured_outputs is not None:  # likewise, then asks the grammar engine
+            constraint = msgspec.structs.replace(params.structured_outputs)
+            check_grammar(constraint)
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
         ready = self.ready
         check_prompt(token_ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
                      ready.vocab_size)

@@ -91,6 +91,20 @@ class OutputProcessor:
         return [child for request_id in list(self.requests)
                 for child in self.abort_request(request_id)]
 
+    def drop_requests_of(self, child_ids: list[str]) -> list[RequestState]:
+        """Forget the requests these children belong to (their engine died); returns their
+        states."""
+        states = {}
+        for child_id in child_ids:
+            route = self._routes.get(child_id)
+            if route is not None:
+                states[route[0].request_id] = route[0]
+        for state in states.values():
+            del self.requests[state.request_id]
+            for child_id in state.child_ids:
+                self._routes.pop(child_id, None)
+        return list(states.values())
+
     def drop_all(self) -> list[RequestState]:
         """Forget every request (the engine died); returns their states."""
         states = list(self.requests.values())

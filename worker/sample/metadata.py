@@ -13,7 +13,8 @@ from protocol.sampling_params import SamplingParams
 class SamplingMetadata:
     """Row i describes the step's i-th sampled request (row i of the logits). Per-request
     inputs of the logits processors are listed only for the rows that need them, in
-    increasing row order, so a step of greedy rows without penalties carries none."""
+    increasing row order, so a step of greedy rows without penalties carries none.
+    min_tokens is not listed for constrained rows: their masks already hold it."""
 
     temperature: np.ndarray  # [n] float32; below GREEDY_EPS: greedy
     all_greedy: bool  # every row greedy: no random draw at all
@@ -28,3 +29,7 @@ class SamplingMetadata:
     output_tokens: list[np.ndarray]  # [p] their outputs so far (likewise)
     below_min_tokens: np.ndarray  # [m] rows with fewer outputs than min_tokens
     stop_tokens: list[list[int]]  # [m] their stop tokens (stop ids, EOS unless ignored)
+    # Constrained rows and their masks (None: no row is constrained in this step). Bit j of
+    # word w of grammar_bitmask[k] allows token 32 * w + j in row grammar_rows[k].
+    grammar_rows: np.ndarray | None = None  # [g] int64, increasing
+    grammar_bitmask: np.ndarray | None = None  # [g, ceil(vocab / 32)] int32

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: logits processors (penalties, min_tokens), greedy or
+"""Turns logits into tokens: logits processors (penalties, min_tokens, grammar masks), greedy or
 temperature/top-k/top-p/min-p sampling with per-request seeds, and top-n logprobs.
 
 Every rank of a tensor-parallel group sees identical logits and identical generator states and
@@ -11,6 +11,7 @@ import torch
 
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import GREEDY_EPS
+from worker.sample.grammar_bitmask import GrammarBitmaskLogitsProcessor
 from worker.sample.logits_processors import (
     LogitsProcessor,
     MinTokensLogitsProcessor,
@@ -23,9 +24,12 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         # Draws for requests without their own seed; every rank advances it identically.
         self.generator = torch.Generator(device).manual_seed(seed)
-        # Applied in this order to the logits of every step (logprobs see the raw ones).
+        # Applied in this order to the logits of every step (logprobs see the raw ones); the
+        # grammar masks come after penalties and before temperature, top-k and top-p, so a
+        # greedy constrained row whose unconstrained argmax is allowed picks it.
         self.processors: tuple[LogitsProcessor, ...] = (PenaltiesLogitsProcessor(),
-                                                        MinTokensLogitsProcessor())
+                                                        MinTokensLogitsProcessor(),
+                                                        GrammarBitmaskLogitsProcessor())
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
                ) -> tuple[list[int], list[SampleLogprobs | None] | None]:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.http_limits import HeaderCountMiddleware, HttpLimits
 from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, read_body
@@ -53,11 +54,15 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
+              api_key: str | None = None,
               chat_template: ChatTemplate | None = None,
               metrics: PrometheusStatLogger | None = None, owns_engine: bool = True,
-              limits: HttpLimits = HttpLimits()) -> FastAPI:
-    """The app serving `engine`; with `owns_engine`, its shutdown stops the engine."""
+              limits: HttpLimits = HttpLimits(),
+              chat_parsers: ChatParsers = ChatParsers()) -> FastAPI:
+    """The app serving `engine` under one or more model names (the first is reported); with
+    `owns_engine`, its shutdown stops the engine."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     inputs = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-inputs")
 
     @asynccontextmanager
@@ -75,11 +80,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, *, api_key: str | None =
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HeaderCountMiddleware, max_header_count=limits.max_header_count)
     _error_handlers(app)
-    completions = OpenAIServingCompletion(engine, served_model_name, inputs)
-    chat = OpenAIServingChat(engine, served_model_name, inputs, chat_template)
+    completions = OpenAIServingCompletion(engine, names, inputs)
+    chat = OpenAIServingChat(engine, names, inputs, chat_template, chat_parsers)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/chat/completions")(chat.create)
-    _info_routes(app, engine, served_model_name, metrics)
+    _info_routes(app, engine, names, metrics)
     _tokenizer_routes(app, engine, chat)
     return app
 
@@ -98,7 +103,7 @@ def _error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {e!r}").response()
 
 
-def _info_routes(app: FastAPI, engine: AsyncLLM, name: str,
+def _info_routes(app: FastAPI, engine: AsyncLLM, names: list[str],
                  metrics: PrometheusStatLogger | None) -> None:
     started = int(time.time())
 
@@ -114,7 +119,7 @@ def _info_routes(app: FastAPI, engine: AsyncLLM, name: str,
             "id": name, "object": "model", "created": started, "owned_by": "deltaserve",
             "root": engine.config.model, "parent": None,
             "max_model_len": engine.max_model_len,
-            "quantization": engine.inputs.ready.quantization}]})
+            "quantization": engine.inputs.ready.quantization} for name in names]})
 
     @app.get("/version")
     async def version() -> Response:

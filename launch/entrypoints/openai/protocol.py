@@ -2,17 +2,20 @@
 
 Structural fields (`model`, `prompt`, `messages`, `stream`, ...) are typed here; sampling
 fields are passed through untyped to `SamplingParams`, so a bad value gets the same message
-through the server as through `LLM`. Unknown fields are ignored, as OpenAI's API does.
+through the server as through `LLM`; the structured-output fields are read by
+`structured_outputs.constraint_of`. Unknown fields are ignored, as OpenAI's API does.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import msgspec
 from fastapi import Request
 
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.structured_outputs import StructuredFields
 from protocol import SamplingParams
 
 MAX_BODY_BYTES = 16 << 20
@@ -31,7 +34,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(StructuredFields, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,13 +63,31 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: int | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ToolCallFunction(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message answers this call
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Any = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -164,7 +185,10 @@ def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template; content given as parts keeps its text parts only."""
+    """Messages for the chat template, in the shape Hugging Face templates read: content
+    given as parts keeps its text parts only; an assistant's `tool_calls` carry their
+    `arguments` parsed back into objects (what templates render), a tool message its
+    `tool_call_id`."""
     out = []
     for m in messages:
         content = m.content
@@ -173,5 +197,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                        and isinstance(p.get("text"), str) for p in content):
                 raise APIError(400, "only text content parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        out.append(message)
     return out
+
+
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError(400, f"tool call {call.id!r}: arguments must be a JSON object as "
+                       "text", "messages") from None
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": arguments}}

@@ -1,6 +1,8 @@
-"""`POST /v1/chat/completions`: messages rendered with the chat template, whole or streamed."""
+"""`POST /v1/chat/completions`: messages (and tools) rendered with the chat template; the
+answer split into reasoning, content and tool calls, whole or streamed."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from typing import Any
@@ -9,6 +11,14 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.chat_answer import (
+    AnswerDelta,
+    AnswerStream,
+    ChatAnswerParser,
+    ChatParsers,
+    finish_reason,
+)
+from launch.entrypoints.openai.chat_constraint import after_reasoning, chat_constraint
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -28,6 +38,7 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
+from launch.entrypoints.openai.tool_choice import parse_tool_choice
 from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.chat_template import ChatTemplate, ChatTemplateError
 from launch.processing.input_processor import ProcessedInput
@@ -35,12 +46,15 @@ from launch.processing.request_stream import RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor,
-                 template: ChatTemplate | None) -> None:
-        super().__init__(engine, served_model_name, input_executor)
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 input_executor: Executor, template: ChatTemplate | None,
+                 parsers: ChatParsers = ChatParsers()) -> None:
+        super().__init__(engine, served_model_names, input_executor)
         self.template = template
+        self.parsers = parsers
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         if self.template is None:
             raise APIError(400, "the model has no chat template (no chat_template in its "
                            "tokenizer_config.json, no chat_template.jinja); start the server "
@@ -48,13 +62,13 @@ class OpenAIServingChat(OpenAIServing):
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         dicts = message_dicts(messages)
-        chars = sum(len(m["content"] or "") for m in dicts)
+        chars = sum(len(m["content"] or "") for m in dicts) + len(json.dumps(tools or []))
         if chars > self.engine.inputs.max_prompt_chars:
             raise APIError(400, f"the messages hold {chars} characters, more than a prompt of "
                            f"max_model_len={self.engine.max_model_len} tokens can "
                            f"({self.engine.inputs.max_prompt_chars})", "messages")
         try:
-            return self.template.render(dicts, add_generation_prompt)
+            return self.template.render(dicts, add_generation_prompt, tools=tools)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -66,42 +80,63 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        params = sampling_params(body, {"max_tokens": max_tokens},
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        inputs = await self.off_loop(lambda: [self.process(
-            self.render(body.messages, body.add_generation_prompt), params,
-            add_special_tokens=False)])
+        answers = self.answer_parser(body)
+        constraint = chat_constraint(body, answers.tools)
+
+        def prepare() -> list[ProcessedInput]:  # on the input thread: grammar checks, template
+            answer_constraint = after_reasoning(constraint, self.parsers.reasoning)
+            params = sampling_params(
+                body, {"max_tokens": max_tokens},
+                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                structured_outputs=answer_constraint and answer_constraint.params)
+            return [self.process(self.render(body.messages, body.add_generation_prompt,
+                                             body.tools),
+                                 params, add_special_tokens=False, constraint=answer_constraint)]
+        inputs = await self.off_loop(prepare)
         self.check_budget(inputs)
         rid = request_id("chatcmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is
-            return StreamingResponse(self._stream(rid, body, inputs[0]),
+            return StreamingResponse(self._stream(rid, body, inputs[0], answers),
                                      media_type="text/event-stream")
         streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
         (out,) = await until_disconnected(raw, self.collect(streams))
-        return await self.respond(inputs, lambda: self._response(rid, body, out))
+        return await self.respond(inputs, lambda: self._response(rid, body, out, answers))
 
-    def _response(self, rid: str, body: ChatCompletionRequest, out: RequestOutput
-                  ) -> dict[str, Any]:
-        choices = [{"index": seq.index,
-                    "message": {"role": "assistant", "content": seq.text},
-                    "logprobs": chat_logprobs(seq, body.top_logprobs or 0)
-                    if body.logprobs else None,
-                    "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
-                    **({"token_ids": seq.token_ids} if body.return_token_ids else {})}
-                   for seq in out.outputs]
+    def answer_parser(self, body: ChatCompletionRequest) -> ChatAnswerParser:
+        """How this request's answers split: its tool mode (400 for a malformed one, or for
+        "auto" on a server started without --enable-auto-tool-choice, as vLLM answers)."""
+        tools = parse_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools.mode == "auto" and self.parsers.tool_parser is None:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                           "--tool-call-parser to be set", "tool_choice")
+        return ChatAnswerParser(tools, self.parsers.tool_parser, self.parsers.reasoning)
+
+    def _response(self, rid: str, body: ChatCompletionRequest, out: RequestOutput,
+                  answers: ChatAnswerParser) -> dict[str, Any]:
+        choices = []
+        for seq in out.outputs:
+            answer = answers.parse(seq.text, seq.finish_reason == "stop")
+            choices.append({
+                "index": seq.index, "message": answer.message(),
+                "logprobs": chat_logprobs(seq, body.top_logprobs or 0) if body.logprobs else None,
+                "finish_reason": finish_reason(seq.finish_reason, bool(answer.tool_calls)),
+                "stop_reason": seq.stop_reason,
+                **({"token_ids": seq.token_ids} if body.return_token_ids else {})})
         return {"id": rid, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices,
                 **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
                 "usage": usage(len(out.prompt_token_ids),
                                sum(len(s.token_ids) for s in out.outputs))}
 
-    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput
-                      ) -> AsyncIterator[bytes]:
+    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput,
+                      answers: ChatAnswerParser) -> AsyncIterator[bytes]:
         created, generated = now(), 0
         streams: list[RequestStream] = []
+        parts = [answers.stream() for _ in range(inputs.params.n)]
+        called = [False] * inputs.params.n  # whether a sequence has streamed a tool call
 
         def chunk(index: int, delta: dict[str, Any], seq: CompletionOutput | None) -> bytes:
-            finish = None if seq is None else seq.finish_reason
+            finish = None if seq is None else finish_reason(seq.finish_reason, called[index])
             logprobs = (chat_logprobs(seq, body.top_logprobs or 0)
                         if body.logprobs and seq is not None else None)
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -117,8 +152,10 @@ class OpenAIServingChat(OpenAIServing):
             async for _, out in merge(streams):
                 for seq in out.outputs:
                     generated += len(seq.token_ids)
-                    if seq.text or seq.finish_reason or (seq.token_ids and body.logprobs):
-                        yield chunk(seq.index, {"content": seq.text} if seq.text else {}, seq)
+                    delta = _delta_fields(parts[seq.index], seq)
+                    called[seq.index] = called[seq.index] or "tool_calls" in delta
+                    if delta or seq.finish_reason or (seq.token_ids and body.logprobs):
+                        yield chunk(seq.index, delta, seq)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": self.model_name, "choices": [],
@@ -129,6 +166,23 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             self.abort(streams)
+
+
+def _delta_fields(stream: AnswerStream, seq: CompletionOutput) -> dict[str, Any]:
+    """The OpenAI delta fields of one sequence's new text (and its end, if it ended)."""
+    delta = stream.feed(seq.text)
+    if seq.finish_reason is not None:
+        end = stream.finish(seq.finish_reason == "stop")
+        delta = AnswerDelta(delta.reasoning + end.reasoning, delta.content + end.content,
+                            delta.tool_calls + end.tool_calls)
+    fields: dict[str, Any] = {}
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.tool_calls:
+        fields["tool_calls"] = [call.to_openai() for call in delta.tool_calls]
+    return fields
 
 
 def chat_logprobs(seq: CompletionOutput, top: int) -> dict[str, list]:

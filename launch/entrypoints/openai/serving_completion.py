@@ -26,6 +26,7 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
+from launch.entrypoints.openai.structured_outputs import constraint_of
 from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
@@ -39,12 +40,15 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo")
-        params = sampling_params(body, logprobs=body.logprobs)
+        constraint = constraint_of(body)
+        params = sampling_params(body, logprobs=body.logprobs,
+                                 structured_outputs=constraint and constraint.params)
         prompts = completion_prompts(body.prompt)
         if len(prompts) * params.n > MAX_SEQUENCES:
             raise APIError(400, f"at most {MAX_SEQUENCES} sequences (prompts x n) per request, "
                            f"got {len(prompts) * params.n}", "n")
-        inputs = await self.off_loop(lambda: [self.process(p, params) for p in prompts])
+        inputs = await self.off_loop(lambda: [self.process(p, params, constraint=constraint)
+                                              for p in prompts])
         self.check_budget(inputs)
         rid = request_id("cmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is

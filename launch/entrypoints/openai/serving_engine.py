@@ -21,10 +21,12 @@ from fastapi import Request, Response
 
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
+from protocol import StructuredOutputsError
 
 logger = logging.getLogger("deltaserve")
 T = TypeVar("T")
@@ -38,25 +40,31 @@ LARGE_RESPONSE_ENTRIES = 1 << 14
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, input_executor: Executor
-                 ) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 input_executor: Executor) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        self.model_names = served_model_names
+        self.model_name = served_model_names[0]  # the name responses report
         self.input_executor = input_executor  # one thread: tokenizing and templates
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", "model", "model_not_found")
+                           f"{' or '.join(map(repr, self.model_names))}", "model",
+                           "model_not_found")
 
     def check_alive(self) -> None:
         if self.engine.dead is not None:
             raise APIError(503, f"the engine is not available: {self.engine.dead}")
 
-    def process(self, prompt: Any, params: Any, add_special_tokens: bool = True
-                ) -> ProcessedInput:
+    def process(self, prompt: Any, params: Any, add_special_tokens: bool = True,
+                constraint: Constraint | None = None) -> ProcessedInput:
+        """Tokenize and validate (the constraint too: `constraint` says which body field it
+        came from, for the 400's wording)."""
         try:
             return self.engine.process_inputs(prompt, params, add_special_tokens)
+        except StructuredOutputsError as e:
+            raise (constraint.describe(e) if constraint else APIError.bad_request(e)) from None
         except ValueError as e:
             raise APIError.bad_request(e) from None
 
