@@ -177,3 +177,19 @@ def test_hub_ids_resolve_offline_from_the_cache(tiny_gguf, tmp_path, monkeypatch
             with LLM(model, max_model_len=128, num_gpu_blocks_override=16) as llm:
                 outs.append(llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0])
         assert outs[0].token_ids == outs[1].token_ids
+
+
+@pytest.mark.slow
+def test_server_names_the_quantization(tiny_gguf):
+    """`/v1/models` and the engine's startup log line say how the weights run."""
+    import httpx
+    from server_utils import Server
+    srv = Server(tiny_gguf, "--served-model-name", "tiny", "--max-model-len", "256",
+                 "--num-gpu-blocks-override", "32")
+    try:
+        (model,) = httpx.get(srv.url + "/v1/models", timeout=10.0).json()["data"]
+        assert model["quantization"].startswith("gguf (") and "Q6_K x2" in model["quantization"]
+        (line,) = [ln for ln in srv.output().splitlines() if "model_config_info:" in ln]
+        assert "quantization=gguf (" in line and "dtype=float32" in line
+    finally:
+        assert srv.stop() == 0, srv.output()
