@@ -101,10 +101,10 @@ def _step(sched: Scheduler, runner: ModelRunner, timers: Timers) -> None:
     timers.wrap("update", sched.update_from_output)(so, out)
 
 
-def engine_ms_per_token(model_dir: str, quantization: str) -> float:
+def engine_ms_per_token(model_dir: str, quantization: str, threads: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=STEPS + 1, ignore_eos=True)
     with LLM(model_dir, quantization=quantization, max_model_len=1024,
-             kv_cache_memory_bytes=KV_BYTES) as llm:
+             kv_cache_memory_bytes=KV_BYTES, num_threads=threads) as llm:
         llm.generate([{"prompt_token_ids": list(range(1, 30))}], params, use_tqdm=False)
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": list(range(1, 30))}], params, use_tqdm=False)
@@ -140,7 +140,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for quantization, runs in results.items():
             parts = in_process(smollm2, quantization)
-            parts["engine (LLM.generate)"] = engine_ms_per_token(smollm2, quantization)
+            parts["engine (LLM.generate)"] = engine_ms_per_token(smollm2, quantization,
+                                                                 args.threads)
             runs.append(parts)
     print(f"SmolLM2 one stream, {STEPS} decode steps, {args.threads} threads, "
           f"{args.rounds} rounds (medians); none = float32")

@@ -88,8 +88,8 @@ def interleave(engines: dict, rounds: int) -> dict[str, list[float]]:
         for name, run in engines.items():
             tokens, seconds = run()
             rates[name].append(tokens / seconds)
-        print(f"  round {i + 1}: " + ", ".join(f"{name} {r[-1]:,.1f}" for name, r in
-                                              rates.items()), flush=True)
+        print(f"  round {i + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
+            f"{name} {r[-1]:,.1f}" for name, r in rates.items()), flush=True)
     return rates
 
 
@@ -181,7 +181,8 @@ def _generated(result: tuple[float, list]) -> tuple[int, float]:
 
 def int8_section(args) -> None:
     prompts = make_prompts(64, 32, 1024, args.seed)
-    small = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28}
+    small = {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28,
+             "num_threads": args.threads}
     with LLM(SHIPPED_MODEL, dtype="float32", **small) as dense, \
             LLM(SHIPPED_MODEL, quantization="int8", **small) as int8:
         engines = {}
@@ -228,7 +229,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llamacpp-python", default=None)
     parser.add_argument("--vllm-python", default=None)
-    parser.add_argument("--threads", type=int, default=2, help="stream: threads per engine")
+    parser.add_argument("--threads", type=int, default=2, help="threads per engine (stream, int8)")
     parser.add_argument("--chats", type=int, default=len(CHATS), help="stream: chats per round")
     parser.add_argument("--shape", action="append", default=[], metavar="N,IN,OUT",
                         help="batch shapes (default: 32,64,64 and 256,128,128)")
