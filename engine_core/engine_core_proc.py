@@ -106,9 +106,13 @@ class EngineCoreProc:
             engine.record_kv_events()
         self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
                                c.tensor_parallel_size, ready.vocab_size,
-                               ready.attention_backend))
+                               ready.attention_backend, ready.dtype, ready.quantization))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
                     ready.max_model_len, ready.num_blocks, c.block_size)
+        logger.info("model_config_info: model=%s quantization=%s dtype=%s "
+                    "tensor_parallel_size=%d attention_backend=%s", c.model,
+                    ready.quantization, ready.dtype, c.tensor_parallel_size,
+                    ready.attention_backend)
         self.poller.register(engine.structured_output.wakeup_fd, zmq.POLLIN)
         return engine
 

@@ -14,6 +14,7 @@ from protocol.speculative_config import SpeculativeConfig
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "gguf", "int8", "none"]
 ExecutorBackend = Literal["mp", "ray"]
 
 
@@ -28,6 +29,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tensor_parallel_size: Annotated[int, _opt("number of worker ranks", aliases=["-tp"])] = 1
     device: Annotated[str, _opt("auto, cpu or cuda[:N]")] = "auto"
     dtype: Annotated[DType, _opt("weights and activations; auto: the checkpoint's")] = "auto"
+    quantization: Annotated[Quantization, _opt(
+        "weights: gguf keeps a GGUF file's blocks and multiplies them as they are; int8 "
+        "quantizes a dense model at load (a scale per output channel); none runs dense "
+        "weights (a GGUF file dequantized to float32); auto: gguf for a GGUF model (a .gguf "
+        "file, smollm2), none otherwise. Quantized weights compute in float32",
+        aliases=["-q"])] = "auto"
     max_model_len: Annotated[int | None, _opt(
         "longest sequence (prompt + output); default: the model's limit")] = None
     max_num_seqs: Annotated[int, _opt("most requests running at once")] = 256

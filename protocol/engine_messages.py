@@ -109,6 +109,8 @@ class EngineReady(WireStruct, tag=21):
     world_size: int = 1
     vocab_size: int = 0
     attention_backend: str = ""  # what the workers run ("cpu", "torch", "cupy", "emulated")
+    dtype: str = ""  # the workers' compute dtype
+    quantization: str = ""  # the weights' method as run, e.g. "gguf (Q4_1: 210, Q8_0: 1)"
 
 
 class EngineFailed(WireStruct, tag=22):

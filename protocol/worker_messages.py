@@ -53,6 +53,7 @@ class WorkerReady(WireStruct, tag=41):
     attention_backend: str = "torch"
     vocab_size: int = 0
     dtype: str = ""  # the compute dtype (float32 where a half dtype has no native CPU support)
+    quantization: str = ""  # the weights' method as run (gguf, int8, none) and what it kept
 
 
 class WorkerError(WireStruct, tag=42):

@@ -73,10 +73,13 @@ class Reference:
     logits: list[torch.Tensor]  # per generated position, float32 [vocab]
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
-    """Hugging Face `generate`, one prompt at a time (no padding), float32, greedy."""
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              gguf_file: str | None = None) -> list[Reference]:
+    """Hugging Face `generate`, one prompt at a time (no padding), float32, greedy; with
+    `gguf_file` (in model_dir), that file's weights dequantized by transformers."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 gguf_file=gguf_file).eval()
     refs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])

@@ -127,7 +127,7 @@ def _runtime_dirs(pid: int) -> set[str]:
 
 
 def test_server_with_two_replicas_labels_metrics_and_stops_clean():
-    server = Server(MODEL, "--data-parallel-size", "2")
+    server = Server(MODEL, "--data-parallel-size", "2", "--served-model-name", "default_model")
     try:
         dirs = _runtime_dirs(server.proc.pid)
         for i in range(4):

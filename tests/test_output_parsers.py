@@ -137,20 +137,22 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     {"type": "function", "function": {"name": "get_time"}}]
 
 
-@pytest.mark.parametrize("tool_choice,reasoning,text,want", [
+@pytest.mark.parametrize("tool_choice,reasoning,text,want,parallel", [
     ("auto", "qwen3", f"<think>weather?</think>\n<tool_call>{WEATHER}</tool_call>",
-     ("weather?", None, [["get_weather", '{"city": "Paris", "unit": "celsius"}']])),
+     ("weather?", None, [["get_weather", '{"city": "Paris", "unit": "celsius"}']]), None),
+    ("auto", None, f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>",
+     (None, None, [["get_weather", '{"city": "Paris", "unit": "celsius"}']]), False),
     ("required", None, '[{"name": "get_time", "parameters": {}}, '
      '{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
-     (None, None, [["get_time", "{}"], ["get_weather", '{"city": "Oslo"}']])),
+     (None, None, [["get_time", "{}"], ["get_weather", '{"city": "Oslo"}']]), None),
     ({"type": "function", "function": {"name": "get_weather"}}, None, '{"city":"Rome"}',
-     (None, None, [["get_weather", '{"city":"Rome"}']])),
-    ("none", "deepseek_r1", "hmm</think>It is sunny.", ("hmm", "It is sunny.", [])),
+     (None, None, [["get_weather", '{"city":"Rome"}']]), None),
+    ("none", "deepseek_r1", "hmm</think>It is sunny.", ("hmm", "It is sunny.", []), None),
 ])
-def test_chat_answers_whole_and_streamed(tool_choice, reasoning, text, want):
+def test_chat_answers_whole_and_streamed(tool_choice, reasoning, text, want, parallel):
     from launch.entrypoints.openai.chat_answer import ChatAnswerParser
     from launch.entrypoints.openai.tool_choice import parse_tool_choice
-    choice = parse_tool_choice(TOOLS, tool_choice, None)
+    choice = parse_tool_choice(TOOLS, tool_choice, parallel)
     parser = ChatAnswerParser(choice, get_tool_parser("hermes"),
                               get_reasoning_parser(reasoning) if reasoning else None)
     answer = parser.parse(text)

@@ -80,7 +80,8 @@ def servers(tmp_path_factory):
             events = {"enable_kv_cache_events": True,
                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-            server = Server(MODEL, "--chat-template", str(template), "--kv-events-config",
+            server = Server(MODEL, "--served-model-name", "default_model", "--chat-template",
+                            str(template), "--kv-events-config",
                             json.dumps(events))
             server.kv_events = events
             started.append(server)

@@ -64,6 +64,7 @@ def _reference(llm: LLM, prompts: list, **params) -> list:
 def test_routes_and_api_key(server):
     models = httpx.get(server.url + "/v1/models", headers=server.headers).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["quantization"].startswith("none (")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(server.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -1,6 +1,8 @@
 """Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -12,13 +14,16 @@ from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
-from worker.models.loader import load_model
+from worker.layers.quantization.registry import resolve_quantization
+from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
 from worker.spec_decode.draft_model import DraftModelProposer
 from worker.step_inputs import StepInputs, prepare_step
+
+logger = logging.getLogger("deltaserve")
 
 
 class ModelRunner:
@@ -35,15 +40,24 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)
+        self.quantization = resolve_quantization(config.quantization,
+                                                 self.model_config.quantization)
+        if self.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
         # The dtype of weights, activations and KV cache (float32 on a CPU without native
-        # support for the requested half dtype); residual stream and norms are float32.
-        self.dtype = resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
-                                           self.device)
+        # support for the requested half dtype, and with quantized weights); residual stream
+        # and norms are float32.
+        self.dtype = (torch.float32 if self.quantization != "none" else resolve_compute_dtype(
+            self.model_config.resolve_dtype(config.dtype), self.device))
+        if self.quantization != "none" and config.dtype not in ("auto", "float32"):
+            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
+                           "dense weights only", self.quantization, config.dtype)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
-                                self.tp, self.attention, self.max_model_len)
+                                self.tp, self.attention, self.max_model_len, self.quantization)
+        self.weights_summary = weights_summary(self.model, self.quantization)
         self.kv_cache_spec = self.model.kv_cache_spec()
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)

@@ -97,7 +97,8 @@ class WorkerProc:
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
                                str(runner.device), runner.attention.name,
                                runner.model_config.vocab_size,
-                               str(runner.dtype).removeprefix("torch.")))
+                               str(runner.dtype).removeprefix("torch."),
+                               runner.weights_summary))
         return runner
 
     def _serve(self, runner: ModelRunner) -> int:

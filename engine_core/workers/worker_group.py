@@ -40,6 +40,8 @@ class WorkerCapacity:
     max_model_len: int
     vocab_size: int
     attention_backend: str
+    dtype: str = ""
+    quantization: str = ""
 
 
 class WorkerGroup:
@@ -95,12 +97,14 @@ class WorkerGroup:
                 raise self._blame(self._failure_of(message, identity))
         self.started = True
         logger.info("workers ready: %s", ", ".join(
-            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend}, {m.dtype})"
+            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend}, {m.dtype}, "
+            f"{m.quantization})"
             for r, m in sorted(ready.items())))
         return WorkerCapacity(min(m.num_blocks for m in ready.values()),
                               min(m.max_model_len for m in ready.values()),
                               min(m.vocab_size for m in ready.values()),
-                              ready[0].attention_backend)
+                              ready[0].attention_backend, ready[0].dtype,
+                              ready[0].quantization)
 
     def _rendezvous(self, all_local: bool) -> str:
         """Where the ranks' torch.distributed group meets: a file in the private runtime

@@ -12,8 +12,10 @@ from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
-from launch.processing.tokenizer import load_tokenizer, read_json, stop_token_ids_of
+from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
 from protocol import EngineConfig
+from worker.layers.quantization.registry import resolve_quantization
+from worker.models.config import read_config_json
 
 
 def start_engine(model: str, engine_args: dict[str, Any]
@@ -21,11 +23,12 @@ def start_engine(model: str, engine_args: dict[str, Any]
     """The running engine for `model` and the engine options in `engine_args` (the fields of
     `EngineConfig`), and the input processor that validates requests against it. With
     `data_parallel_size` > 1, its replicas behind one client."""
-    model = resolve_model(model)  # a known name (e.g. "smollm2"): its cached directory
+    model = resolve_model(model)  # a name, a .gguf file, org/name: its directory
     if not os.path.isdir(model):
-        raise ValueError(f"model must be a Hugging Face style directory, got {model!r} "
-                         "(nothing is downloaded from a model hub)")
+        raise ValueError(f"model must be a Hugging Face style directory, a .gguf file, a "
+                         f"known name or a Hugging Face org/name, got {model!r}")
     config = with_draft_model(EngineConfig.create(model=os.path.abspath(model), **engine_args))
+    _check_quantization(config)
     if config.worker_secret_file is not None:
         read_secret_file(config.worker_secret_file)  # one clear line now, not in the engine
     # The processes start while we load the tokenizer.
@@ -53,7 +56,7 @@ def with_draft_model(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"speculative_config: the draft model must be a Hugging Face style "
                          f"directory, got {spec.model!r}")
     draft = os.path.abspath(draft)
-    sizes = [read_json(os.path.join(d, "config.json")).get("vocab_size")
+    sizes = [read_config_json(d).get("vocab_size")
              for d in (config.model, draft)]
     if sizes[0] != sizes[1]:
         raise ValueError(f"speculative_config: the draft model {spec.model!r} has a vocabulary "
@@ -64,3 +67,10 @@ def with_draft_model(config: EngineConfig) -> EngineConfig:
                          "tokenizer vocabulary than the target: they must share one")
     return msgspec.structs.replace(config, speculative_config=msgspec.structs.replace(
         spec, model=draft))
+
+
+def _check_quantization(config: EngineConfig) -> None:
+    """A --quantization the model cannot run with fails here, before any process starts."""
+    hf = read_config_json(config.model)
+    checkpoint = (hf.get("quantization_config") or {}).get("quant_method", "none")
+    resolve_quantization(config.quantization, checkpoint)

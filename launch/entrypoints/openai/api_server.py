@@ -118,7 +118,8 @@ def _info_routes(app: FastAPI, engine: AsyncLLM, names: list[str],
         return json_response({"object": "list", "data": [{
             "id": name, "object": "model", "created": started, "owned_by": "deltaserve",
             "root": engine.config.model, "parent": None,
-            "max_model_len": engine.max_model_len} for name in names]})
+            "max_model_len": engine.max_model_len,
+            "quantization": engine.inputs.ready.quantization} for name in names]})
 
     @app.get("/version")
     async def version() -> Response:

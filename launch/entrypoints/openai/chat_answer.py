@@ -112,7 +112,7 @@ class AnswerStream:
         if self.calls is not None:
             content, calls = self.calls.finish()
             delta.content += content
-            delta.tool_calls += calls
+            delta.tool_calls += self._allowed(calls)
         elif self.mode == "required":
             delta = self._required(delta, finished_normally)
         return delta
@@ -125,10 +125,14 @@ class AnswerStream:
         elif self.calls is not None:
             content, calls = self.calls.feed(text)
             delta.content += content
-            delta.tool_calls += calls
+            delta.tool_calls += self._allowed(calls)
         else:
             delta.content += text
         return delta
+
+    def _allowed(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        """Under `parallel_tool_calls: false`, the first parsed call only (as vLLM)."""
+        return calls if self.tools.parallel else [c for c in calls if c.index == 0]
 
     def _named(self, text: str, delta: AnswerDelta) -> AnswerDelta:
         """The answer is the named function's arguments, streamed as they come."""

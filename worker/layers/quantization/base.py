@@ -18,12 +18,15 @@ class ShardDims:
     Output features run along `output_dim` and input features along `input_dim` (None: the
     parameter is not split by them and every rank loads all of it, e.g. a per-tensor scale or
     a row-parallel bias). One stored element along a dim covers `output_block`/`input_block`
-    features (e.g. 32 inputs per quantized block), so a rank's ranges must be whole blocks."""
+    features (e.g. 32 inputs per quantized block), so a rank's ranges must be whole blocks;
+    along the input dim a block may span `input_block_stored` elements (a GGUF row's bytes:
+    32 weights of Q4_1 in 20 bytes)."""
 
     output_dim: int | None = 0
     input_dim: int | None = 1
     output_block: int = 1
     input_block: int = 1
+    input_block_stored: int = 1
 
     def output(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
         """The part of `tensor` holding output features `[start, start + size)`."""
@@ -31,16 +34,17 @@ class ShardDims:
 
     def input(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
         """The part of `tensor` holding input features `[start, start + size)`."""
-        return _narrow(tensor, self.input_dim, start, size, self.input_block)
+        return _narrow(tensor, self.input_dim, start, size, self.input_block,
+                       self.input_block_stored)
 
 
-def _narrow(tensor: torch.Tensor, dim: int | None, start: int, size: int,
-            block: int) -> torch.Tensor:
+def _narrow(tensor: torch.Tensor, dim: int | None, start: int, size: int, block: int,
+            stored: int = 1) -> torch.Tensor:
     if dim is None:
         return tensor
     if start % block or size % block:
         raise ValueError(f"features [{start}, {start + size}) are not whole blocks of {block}")
-    return tensor.narrow(dim, start // block, size // block)
+    return tensor.narrow(dim, start // block * stored, size // block * stored)
 
 
 def parameter(data: torch.Tensor, dims: ShardDims) -> nn.Parameter:
@@ -70,6 +74,10 @@ class LinearMethodBase(QuantizeMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_per_rank] -> x W^T + b [..., out_per_rank]."""
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype `apply` takes and returns: the dense weight's; quantized methods say."""
+        return layer.weight.dtype
 
 
 class EmbeddingMethodBase(QuantizeMethodBase):

@@ -1,17 +1,30 @@
-"""Quantization configs by name, the `quant_method` of a checkpoint's `quantization_config`
-("none" for dense checkpoints)."""
+"""Quantization methods by name, and which one a model runs with.
+
+A checkpoint's own method is the `quant_method` of its `quantization_config` ("gguf" for a
+GGUF file, "none" for dense checkpoints); `--quantization` picks what runs:
+  auto  the checkpoint's (a GGUF file keeps its blocks; a dense checkpoint stays dense)
+  gguf  a GGUF file's blocks kept and multiplied as they are (GGUF checkpoints only)
+  int8  weight-only int8 quantized at load (dense checkpoints only)
+  none  dense weights (a GGUF file's tensors dequantized to float32 at load)
+"""
 from __future__ import annotations
 
-from worker.layers.quantization.base import QuantizationConfig
-from worker.layers.quantization.unquantized import UnquantizedConfig
-
-QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
-    "none": UnquantizedConfig,
-}
+CHECKPOINT_METHODS = ("none", "gguf")  # what a checkpoint may declare
+QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "none")  # what --quantization may ask for
 
 
-def get_quantization_config(name: str) -> QuantizationConfig:
-    if name not in QUANTIZATION_CONFIGS:
-        raise ValueError(f"unknown quantization {name!r}; known: "
-                         f"{', '.join(QUANTIZATION_CONFIGS)}")
-    return QUANTIZATION_CONFIGS[name]()
+def resolve_quantization(requested: str, checkpoint: str) -> str:
+    """The method a model runs with: `requested` checked against the checkpoint's method;
+    ValueError for a combination that cannot run."""
+    if requested not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {requested!r}; known: "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    if requested == "auto":
+        return checkpoint
+    if requested == "gguf" and checkpoint != "gguf":
+        raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or a model "
+                         "converted from one); this checkpoint is dense: use int8 or none")
+    if requested == "int8" and checkpoint != "none":
+        raise ValueError(f"--quantization int8 quantizes a dense checkpoint at load; this "
+                         f"model is already {checkpoint}: use {checkpoint} or none")
+    return requested

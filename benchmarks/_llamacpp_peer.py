@@ -1,0 +1,63 @@
+"""The llama.cpp side of bench_quantized.py: a long-lived process run by a Python that has
+llama-cpp-python (never the project's venv), driven by `_common.Peer` with one JSON object
+per line (replies on the original stdout; llama.cpp's own output goes to stderr). Ops:
+  init {model_path, n_ctx, n_threads}     -> {version, system_info}
+  chat {messages, max_tokens}             -> {seconds, tokens}   (one create_chat_completion,
+                                             greedy, end-of-generation tokens banned so all
+                                             max_tokens come, KV state reset first)
+  quit
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+STATE: dict = {}
+
+
+def init(model_path: str, n_ctx: int, n_threads: int) -> dict:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
+                          n_threads_batch=n_threads, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    STATE["llm"] = llm
+    STATE["bias"] = {t: -1e9 for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    return {"version": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def chat(messages: list[dict], max_tokens: int) -> dict:
+    llm = STATE["llm"]
+    llm.reset()
+    start = time.perf_counter()
+    reply = llm.create_chat_completion(messages=messages, max_tokens=max_tokens,
+                                       temperature=0.0, logit_bias=STATE["bias"])
+    return {"seconds": time.perf_counter() - start,
+            "tokens": reply["usage"]["completion_tokens"],
+            "text": reply["choices"][0]["message"]["content"]}
+
+
+OPS = {"init": init, "chat": chat}
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "quit":
+            break
+        try:
+            reply = {"ok": True, **OPS[op](**request)}
+        except Exception as exc:  # noqa: BLE001 (reported to the driver, which raises it)
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()

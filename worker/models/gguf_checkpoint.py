@@ -1,0 +1,173 @@
+"""A GGUF file read as a checkpoint: its tensors under Hugging Face names, either kept in their
+GGUF blocks (uint8 [rows, row bytes], as the quantized methods load them) or dequantized to
+float32.
+
+llama.cpp's converter stores each query and key head's rows with the two rotary halves
+interleaved (row 2j + i of a head holds half i, row j); reading undoes that by reordering
+whole rows, so blocks stay intact. Tensor shapes in a GGUF file are listed innermost first;
+`shapes` gives them as Hugging Face does ([out_features, in_features]).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Container, Iterator
+
+import numpy as np
+import torch
+
+from worker.native import gguf_ops
+
+logger = logging.getLogger("deltaserve")
+
+SUPPORTED_ARCHITECTURES = ("llama",)  # general.architecture (Mistral is stored as llama too)
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: config.json must carry the scaling
+_FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
+
+
+class GGUFFileError(ValueError):
+    """The GGUF file cannot be run: truncated, another architecture, an unknown tensor or
+    tensor type. The message names the file and the field or tensor."""
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    base, dot, suffix = gguf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}{dot}{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in _LAYER:
+        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}{dot}{suffix}"
+    return None
+
+
+def rope_unpermute(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: new row (h, i, j) = stored row
+    (h, j, i), for head h, rotary half i, index j within the half."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+@functools.cache
+def _dequantizable(code: int) -> bool:
+    """gguf.quants has a decoder for this GGML type (tried on one zero block)."""
+    import gguf.quants
+    try:
+        qtype = gguf.GGMLQuantizationType(code)
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
+
+
+class GGUFCheckpoint:
+    """Opens and checks the whole file up front (every error before any weight is read)."""
+
+    def __init__(self, path: str) -> None:
+        import gguf
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except (ValueError, OSError, IndexError, KeyError) as e:
+            raise GGUFFileError(f"{path}: truncated or not a GGUF file ({e})") from None
+        self.architecture = self._field("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise GGUFFileError(f"{path}: general.architecture is {self.architecture!r}; "
+                                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.tensors = self._named_tensors()
+        self.types = {name: int(t.tensor_type) for name, t in self.tensors.items()}
+        self.shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist()))
+                       for name, t in self.tensors.items()}
+        self._check_types()
+
+    def _field(self, key: str) -> object:
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise GGUFFileError(f"{self.path}: no {key} field")
+        return field.contents()
+
+    def _named_tensors(self) -> dict[str, object]:
+        named, size = {}, os.path.getsize(self.path)
+        self.rope_freqs = False
+        for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:
+                self.rope_freqs = True
+                continue
+            name = hf_name(t.name)
+            if name is None:
+                raise GGUFFileError(f"{self.path}: tensor {t.name!r} has no place in a "
+                                    f"{self.architecture} model")
+            if t.data_offset + t.n_bytes > size:
+                raise GGUFFileError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
+                                    f"{t.data_offset + t.n_bytes} of {size}")
+            named[name] = t
+        return named
+
+    def _check_types(self) -> None:
+        for name, code in self.types.items():
+            if code in _FLOAT_TYPES or gguf_ops.supported(code) or _dequantizable(code):
+                continue
+            t = self.tensors[name]
+            raise GGUFFileError(f"{self.path}: tensor {t.name!r} has type "
+                                f"{t.tensor_type.name}, which deltaserve cannot read")
+
+    def heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) as the file stores them."""
+        heads = int(self._field(f"{self.architecture}.attention.head_count"))
+        kv = self.reader.fields.get(f"{self.architecture}.attention.head_count_kv")
+        return heads, int(kv.contents()) if kv is not None else heads
+
+    def log_dequantized(self, kept: Container[str]) -> None:
+        """One line naming the quantized types that have no kernel (dequantized at load)."""
+        dense = Counter(self.tensors[n].tensor_type.name for n, code in self.types.items()
+                        if n not in kept and code not in _FLOAT_TYPES)
+        if dense:
+            listed = ", ".join(f"{name} ({count} tensors)" for name, count in dense.items())
+            logger.info("GGUF types without a kernel, dequantized to float32 at load: %s",
+                        listed)
+
+    def weights(self, kept: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor): names in `kept` as uint8 [rows, row bytes] blocks,
+        the others as float32; q/k rows in Hugging Face's order."""
+        heads = dict(zip(("q_proj", "k_proj"), self.heads()))
+        for name, t in self.tensors.items():
+            tensor = self._blocks(name, t) if name in kept else self._dense(name, t)
+            projection = name.rsplit(".", 2)[-2]
+            if projection in heads and len(self.shapes[name]) == 2:
+                tensor = tensor[rope_unpermute(tensor.shape[0], heads[projection])]
+            yield name, tensor
+
+    def _blocks(self, name: str, t) -> torch.Tensor:
+        rows = int(np.prod(self.shapes[name][:-1]))  # 1 for a vector
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+
+    def _dense(self, name: str, t) -> torch.Tensor:
+        code, shape = self.types[name], self.shapes[name]
+        if code in _FLOAT_TYPES:
+            data = np.array(t.data).reshape(shape)
+            if code == 30:  # bfloat16 arrives as uint16 bits
+                return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float()
+            return torch.from_numpy(data).float()
+        blocks = self._blocks(name, t)
+        if gguf_ops.supported(code):
+            return gguf_ops.dequantize(blocks, code, blocks.shape[0], shape[-1]).view(shape)
+        import gguf.quants
+        dense = gguf.quants.dequantize(blocks.numpy(), t.tensor_type)
+        return torch.from_numpy(dense).view(shape)
+
+
+def gguf_file_of(model_dir: str, quantization_config: dict) -> str:
+    """The GGUF file a model directory's config names (relative paths: to the directory)."""
+    name = quantization_config.get("gguf_file")
+    if not name:
+        raise GGUFFileError(f"{model_dir}: config.json's quantization_config names no "
+                            "gguf_file")
+    return os.path.join(model_dir, os.path.expanduser(name))
