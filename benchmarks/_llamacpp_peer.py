@@ -9,10 +9,9 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
+
+from _peer_loop import serve
 
 STATE: dict = {}
 
@@ -43,20 +42,7 @@ OPS = {"init": init, "chat": chat}
 
 
 def main() -> None:
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.pop("op")
-        if op == "quit":
-            break
-        try:
-            reply = {"ok": True, **OPS[op](**request)}
-        except Exception as exc:  # noqa: BLE001 (reported to the driver, which raises it)
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+    serve(OPS)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ inside a timed region. Ops:
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
+
+from _peer_loop import serve
 
 for _key, _value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
@@ -174,22 +174,7 @@ OPS = {"offline_init": offline_init, "generate": generate,
 
 
 def main() -> None:
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # vLLM's own output (Python and C level) goes to stderr
-    sys.stdout = sys.stderr
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.pop("op")
-        if op == "quit":
-            break
-        try:
-            reply = {"ok": True, **OPS[op](**request)}
-        except Exception as exc:  # noqa: BLE001 (reported to the driver, which raises it)
-            import traceback
-            traceback.print_exc()
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+    serve(OPS)
 
 
 if __name__ == "__main__":
