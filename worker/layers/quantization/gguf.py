@@ -112,8 +112,9 @@ class GGUFLinearMethod(LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
 
-class GGUFEmbeddingMethod(EmbeddingMethodBase):
-    """`weight` uint8 [rows_per_rank, row bytes]; a lookup decodes the rows of the ids."""
+class _GgufTable:
+    """A vocabulary table kept in its GGUF blocks: `weight` uint8 [rows_per_rank, row bytes],
+    one row per token (the embedding's, or the LM head's, shared when tied)."""
 
     def __init__(self, qtype: GgufType) -> None:
         self.qtype = qtype
@@ -121,6 +122,10 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         _byte_rows(layer, out_per_rank, self.qtype.row_bytes(in_per_rank), self.qtype)
         layer.hidden_size = in_per_rank
+
+
+class GGUFEmbeddingMethod(_GgufTable, EmbeddingMethodBase):
+    """A lookup decodes the rows of the ids."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The blocks are final as loaded (a tied LM head shares them)."""
@@ -131,16 +136,8 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         return out.view(*ids.shape, layer.hidden_size)
 
 
-class GGUFLMHeadMethod(LinearMethodBase):
-    """Logits from the blocks of `weight` [rows_per_rank, row bytes] (shared with a tied
-    embedding), float32 accumulation."""
-
-    def __init__(self, qtype: GgufType) -> None:
-        self.qtype = qtype
-
-    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
-        _byte_rows(layer, out_per_rank, self.qtype.row_bytes(in_per_rank), self.qtype)
-        layer.hidden_size = in_per_rank
+class GGUFLMHeadMethod(_GgufTable, LinearMethodBase):
+    """Logits from the table's blocks, float32 accumulation."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The blocks bound for the kernels (a tied head's are the embedding's, tied by now)."""
