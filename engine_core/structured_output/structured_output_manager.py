@@ -29,16 +29,6 @@ from protocol.scheduler_output import SchedulerOutput
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 
-class ConstraintGate(Protocol):
-    """When a request's constraint starts to apply: the hook for output that precedes the
-    constrained part (a reasoning parser opens it after `</think>`). Requests start closed
-    when the manager has a gate; after each step `opens` is asked about every closed one
-    that sampled, with all its tokens so far; once it says True, masks start with the next
-    token."""
-
-    def opens(self, request: Request) -> bool: ...
-
-
 class DraftCutter(Protocol):
     """Keeps the first `n` of a request's proposals (the speculator's `cut`)."""
 
@@ -47,11 +37,9 @@ class DraftCutter(Protocol):
 
 class StructuredOutputManager:
     def __init__(self, model_dir: str | None = None, vocab_size: int | None = None,
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 gate: ConstraintGate | None = None) -> None:
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.compiler = GrammarCompiler(model_dir, vocab_size, timeout_s)
         self.builder = BitmaskBuilder(vocab_size) if vocab_size else None
-        self.gate = gate
         self.pending: dict[str, tuple[Request, CompileTask]] = {}  # waiting for grammars
         self.live: list[Request] = []  # with a matcher; finished ones dropped each step
         # Per step in flight: the requests that sampled under a mask, in row order.
@@ -97,7 +85,7 @@ class StructuredOutputManager:
         entry = self.pending.pop(request.request_id, None)
         task = entry[1] if entry is not None else self.compiler.compile(
             request.sampling_params.structured_outputs, request.eos_token_id)
-        state = StructuredOutputRequest(self.compiler.matcher(task), active=self.gate is None)
+        state = StructuredOutputRequest(self.compiler.matcher(task))
         self.live.append(request)
         return state
 
@@ -108,13 +96,12 @@ class StructuredOutputManager:
 
     def cut_drafts(self, cut: DraftCutter) -> None:
         """Before a step is scheduled: cut each constrained request's proposals before the
-        first token its grammar refuses (all of them while its constraint is not active yet:
-        a step's tokens after the gate opens would go unmasked). The matchers hold exactly
-        the known tokens here, so the drafts that remain are the ones the masks can verify."""
+        first token its grammar refuses. The matchers hold exactly the known tokens here, so
+        the drafts that remain are the ones the masks can verify."""
         for request in self.live:
             state, drafts = request.structured_output, request.spec_token_ids
             if drafts and not request.is_finished():
-                valid = state.matcher.validate_tokens(drafts) if state.active else 0
+                valid = state.matcher.validate_tokens(drafts)
                 if valid < len(drafts):
                     cut(request, valid)
 
@@ -131,8 +118,7 @@ class StructuredOutputManager:
         for handle in so.scheduled_req_ids:
             request = by_handle[handle]
             state = request.structured_output
-            if (state is not None and state.active
-                    and request.num_computed_tokens >= request.num_tokens):
+            if state is not None and request.num_computed_tokens >= request.num_tokens:
                 rows.append((request, state, drafts.get(handle, [])))
         if not rows:
             return so
@@ -152,8 +138,6 @@ class StructuredOutputManager:
                 if not state.accept(sampled.get(request.req_id, ())) and \
                         not request.is_finished():
                     refused.append(request)
-        if self.gate is not None:
-            self._open_gates(so)
         return refused
 
     def waits_for_tokens(self) -> bool:
@@ -161,13 +145,6 @@ class StructuredOutputManager:
         the in-flight step must be collected before the next one is scheduled."""
         return any(r.num_output_placeholders and r.structured_output is not None
                    and not r.is_finished() for r in self.live)
-
-    def _open_gates(self, so: SchedulerOutput) -> None:
-        scheduled = set(so.scheduled_req_ids)
-        for request in self.live:
-            state = request.structured_output
-            if not state.active and request.req_id in scheduled and self.gate.opens(request):
-                state.active = True
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

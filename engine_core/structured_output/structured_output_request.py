@@ -9,15 +9,12 @@ from typing import Any
 class StructuredOutputRequest:
     """The request's llguidance matcher, advanced by exactly the tokens the request sampled
     under a mask (a row of a step's `GrammarBitmask`), in order. Preemption rewinds nothing:
-    recompute re-reads the prompt and outputs the matcher has already accepted.
-
-    `active`: whether the constraint applies to the next token. Requests start active unless
-    the engine has a `ConstraintGate` (e.g. a reasoning model's constraint that starts after
-    `</think>`), which opens it later.
+    recompute re-reads the prompt and outputs the matcher has already accepted. (A
+    constraint that starts after a model's reasoning is one grammar with the reasoning in
+    it, built by the front-end: every constrained token is masked.)
     """
 
     matcher: Any
-    active: bool = True
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance over tokens sampled under this request's mask; False if the grammar
