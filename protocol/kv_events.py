@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from protocol.json_option import parse_json_option
+
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # vLLM's port, on loopback
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (its primary tier), on any device
 
@@ -55,16 +57,9 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
     """A config from JSON text, a dict, or a config; ValueError with one line if malformed."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    try:
-        if isinstance(value, (str, bytes)):
-            return msgspec.json.decode(value, type=KVEventsConfig)
-        return msgspec.convert(value, KVEventsConfig)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-    except msgspec.ValidationError as e:
-        raise ValueError(f"kv_events_config: {e}") from None
+    if value is None:
+        return None
+    return parse_json_option(value, KVEventsConfig, "kv_events_config")
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

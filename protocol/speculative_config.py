@@ -5,6 +5,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.json_option import parse_json_option
+
 METHODS = ("ngram", "draft_model")
 # The most draft tokens one request verifies in one step (vLLM's MAX_SPEC_LEN).
 MAX_SPEC_LEN = 32
@@ -63,15 +65,4 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     @staticmethod
     def parse(value: Any) -> SpeculativeConfig:
         """From a JSON object (a str), a dict or a SpeculativeConfig; ValueError if invalid."""
-        if isinstance(value, SpeculativeConfig):
-            return value
-        try:
-            if isinstance(value, (str, bytes)):
-                return msgspec.json.decode(value, type=SpeculativeConfig)
-            return msgspec.convert(value, SpeculativeConfig)
-        except msgspec.ValidationError as e:
-            message = str(e)  # __post_init__'s own errors already name the option
-            raise ValueError(message if message.startswith("speculative_config")
-                             else f"speculative_config: {message}") from None
-        except msgspec.DecodeError as e:
-            raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        return parse_json_option(value, SpeculativeConfig, "speculative_config")
