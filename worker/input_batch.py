@@ -233,6 +233,7 @@ class InputBatch:
         increasing = np.argsort(positions)
         return positions[increasing], bitmask[increasing]
 
+
 def _run_index(values: np.ndarray) -> np.ndarray:
     """For each entry, how many equal entries directly precede it: [5, 5, 7, 5] -> [0, 1, 0, 0]."""
     index = np.arange(len(values))
