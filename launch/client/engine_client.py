@@ -160,8 +160,16 @@ class EngineClient:
         self._send_frame(self.encoder.encode(message))
 
     def _send_frame(self, frame: bytes | bytearray) -> None:
-        self._check_alive()
-        self.input.send(frame, copy=False)
+        """Send once the engine core can take it; a core that dies meanwhile (a PAIR send to a
+        gone peer would wait for ever) is an EngineDeadError."""
+        while True:
+            self._check_alive()
+            if self.input.poll(POLL_MS, zmq.POLLOUT):
+                try:
+                    self.input.send(frame, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    continue
 
     def _receive(self, timeout_ms: int) -> list[object]:
         """Every message waiting (waiting up to timeout_ms for the first). Raises
