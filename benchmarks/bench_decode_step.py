@@ -3,7 +3,9 @@
 (`LLM.generate`, separate engine-core and worker processes); the difference is the engine
 core, the process hops and the front-end. GGUF kept quantized and float32 (`--quantization
 none`), rounds interleaved; milliseconds per token, medians of the rounds.
-Timers wrap each part (about 0.3 us each, ~0.1 ms per token in all).
+Timers wrap each part (about 0.3 us each, ~0.1 ms per token in all). GGUF runs twice: with the
+native layer loop (one call for all layers, timed as one part) and with the Python loop
+(DELTASERVE_NATIVE_LAYERS=0 in the engine), whose parts are timed one by one.
 Run: python benchmarks/bench_decode_step.py [--rounds 3] [--threads 2]
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import os
 import statistics
 import time
 
@@ -24,12 +27,15 @@ from protocol import EngineConfig
 from worker import model_runner
 from worker.model_runner import ModelRunner
 from worker.models import llama
+from worker.models.native_layer_loop import NativeLayerLoop
 
 # Module functions the timers replace, from the originals each time (never timers of timers).
 ORIGINAL = {"prepare_step": model_runner.prepare_step, "silu_and_mul": llama.silu_and_mul}
 
-PARTS = ["qkv_proj", "rope", "attention", "o_proj", "gate_up_proj", "silu_and_mul",
-         "down_proj", "norms", "embedding"]
+PARTS = ["native layer loop", "qkv_proj", "rope", "attention", "o_proj", "gate_up_proj",
+         "silu_and_mul", "down_proj", "norms", "embedding"]
+# column -> (--quantization, the native layer loop)
+RUNS = {"gguf": ("gguf", True), "gguf, loop": ("gguf", False), "none": ("none", False)}
 STEPS = 100
 KV_BYTES = 1 << 28
 
@@ -75,12 +81,25 @@ class _Wrapped:
         self.backend, self.forward = backend, forward
 
 
-def in_process(model_dir: str, quantization: str) -> dict[str, float]:
+class _TimedLoop:
+    def __init__(self, loop: NativeLayerLoop, timers: Timers) -> None:
+        self.takes, self.call = loop.takes, timers.wrap("native layer loop", loop.__call__)
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+
+def in_process(model_dir: str, quantization: str, native: bool) -> dict[str, float]:
     """ms per token of each part over STEPS decode steps after a 29-token prompt."""
     runner = ModelRunner(EngineConfig(model=model_dir, quantization=quantization,
                                       max_model_len=1024, max_num_seqs=1,
                                       num_gpu_blocks_override=64))
     timers = Timers()
+    model = runner.model.model
+    loop = NativeLayerLoop.build(model) if native else None
+    if native and loop is None:
+        raise SystemExit("the native layer loop does not take this model here")
+    model.native_loop = _TimedLoop(loop, timers) if loop else False
     instrument(runner, timers)
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=2048,
                                       max_model_len=1024), CacheConfig(16, runner.num_blocks, True))
@@ -101,8 +120,10 @@ def _step(sched: Scheduler, runner: ModelRunner, timers: Timers) -> None:
     timers.wrap("update", sched.update_from_output)(so, out)
 
 
-def engine_ms_per_token(model_dir: str, quantization: str, threads: int) -> float:
+def engine_ms_per_token(model_dir: str, quantization: str, native: bool,
+                       threads: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=STEPS + 1, ignore_eos=True)
+    os.environ["DELTASERVE_NATIVE_LAYERS"] = "1" if native else "0"  # the worker's
     with LLM(model_dir, quantization=quantization, max_model_len=1024,
              kv_cache_memory_bytes=KV_BYTES, num_threads=threads) as llm:
         llm.generate([{"prompt_token_ids": list(range(1, 30))}], params, use_tqdm=False)
@@ -136,11 +157,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     smollm2 = download_model("smollm2")
-    results: dict[str, list[dict[str, float]]] = {"gguf": [], "none": []}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in RUNS}
     for _ in range(args.rounds):
-        for quantization, runs in results.items():
-            parts = in_process(smollm2, quantization)
-            parts["engine (LLM.generate)"] = engine_ms_per_token(smollm2, quantization,
+        for name, runs in results.items():
+            quantization, native = RUNS[name]
+            parts = in_process(smollm2, quantization, native)
+            parts["engine (LLM.generate)"] = engine_ms_per_token(smollm2, quantization, native,
                                                                  args.threads)
             runs.append(parts)
     print(f"SmolLM2 one stream, {STEPS} decode steps, {args.threads} threads, "

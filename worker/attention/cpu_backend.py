@@ -61,9 +61,7 @@ class CpuAttentionBackend:
                 scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        plan: _CpuPlan | None = metadata.plan
-        if plan is None or plan.group != num_heads // num_kv_heads:
-            plan = metadata.plan = _make_plan(metadata, num_heads // num_kv_heads)
+        plan = cpu_plan(metadata, num_heads // num_kv_heads)
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs contiguous KV caches")
         dtype = k_cache.dtype
@@ -89,6 +87,15 @@ def _rows_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
         t = t.contiguous()
     return t
+
+
+def cpu_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:
+    """The step's kernel arguments for `group` query heads per KV head, made by the first
+    layer that asks and kept in `metadata.plan` for the others."""
+    plan: _CpuPlan | None = metadata.plan
+    if plan is None or plan.group != group:
+        plan = metadata.plan = _make_plan(metadata, group)
+    return plan
 
 
 def _make_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:

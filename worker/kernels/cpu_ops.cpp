@@ -16,7 +16,8 @@
 //
 // Threads: an op runs on the caller's thread unless its work reaches PARALLEL_WORK, then in
 // one OpenMP parallel region over tokens (torch's intra-op threads: the library links the
-// OpenMP runtime torch has loaded). Built with -ffp-contract=off: no fused multiply-adds,
+// OpenMP runtime torch has loaded); num_threads = 0 shares the tokens among the threads of
+// an enclosing region (for_each_token). Built with -ffp-contract=off: no fused multiply-adds,
 // so each product and sum rounds as the torch reference's does.
 #include <cmath>
 #include <cstdint>
@@ -35,9 +36,15 @@ template <class T> inline float round_to(float x) { return to_float(from_float<T
 // thousand tokens cross it.
 constexpr int64_t PARALLEL_WORK = int64_t{1} << 20;
 
+// num_threads = 0: the call is one step of an enclosing parallel region (cpu_decoder.cpp),
+// made by every thread of its team with the same arguments; the tokens are shared among them
+// (an orphaned worksharing loop, ending in its barrier).
 template <class F>
 void for_each_token(int64_t num_tokens, int64_t work, int num_threads, const F& body) {
-    if (num_threads > 1 && num_tokens > 1 && work >= PARALLEL_WORK) {
+    if (num_threads == 0) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; ++t) body(t);
+    } else if (num_threads > 1 && num_tokens > 1 && work >= PARALLEL_WORK) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t) body(t);
     } else {
@@ -195,7 +202,7 @@ int cpu_rms_norm(int in_dtype, int out_dtype, void* out, int64_t out_stride, con
                  int64_t x_stride, float* residual, int64_t residual_stride,
                  const float* weight, int64_t num_tokens, int64_t hidden, float eps,
                  int num_threads) {
-    if (hidden <= 0 || num_tokens < 0) return 1;
+    if (hidden <= 0 || num_tokens < 0 || num_threads < 0) return 1;
     const NormArgs a{out, out_stride, x, x_stride, residual, residual_stride, weight,
                      num_tokens, hidden, eps, num_threads};
     switch (in_dtype) {
@@ -209,7 +216,7 @@ int cpu_rms_norm(int in_dtype, int out_dtype, void* out, int64_t out_stride, con
 __attribute__((visibility("default")))
 int cpu_silu_and_mul(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride,
                      int64_t num_tokens, int64_t d, int num_threads) {
-    if (d <= 0 || num_tokens < 0) return 1;
+    if (d <= 0 || num_tokens < 0 || num_threads < 0) return 1;
     switch (dtype) {
         case 0: silu_and_mul(static_cast<float*>(out), out_stride, static_cast<const float*>(x),
                              x_stride, num_tokens, d, num_threads); return 0;
@@ -228,7 +235,7 @@ int cpu_rotary_embedding(int dtype, const int64_t* positions, void* q, int64_t q
                          int num_heads, void* k, int64_t k_stride, int num_kv_heads,
                          int64_t num_tokens, int head_dim, const float* cos, const float* sin,
                          int64_t max_position, int num_threads) {
-    if (head_dim <= 0 || head_dim % 2 || num_tokens < 0) return 1;
+    if (head_dim <= 0 || head_dim % 2 || num_tokens < 0 || num_threads < 0) return 1;
     const RotaryArgs a{positions, q, q_stride, num_heads, k, k_stride, num_kv_heads,
                        num_tokens, head_dim, cos, sin, max_position, num_threads};
     switch (dtype) {

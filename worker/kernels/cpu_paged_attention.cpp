@@ -17,7 +17,8 @@
 // select, its V row is not added). Accumulation is fp32 with an online softmax over chunks
 // of 16 key positions (cpu_paged_attention_tile.h).
 //
-// Threads: one OpenMP parallel region per call; built against the OpenMP runtime torch has
+// Threads: one OpenMP parallel region per call (or, with num_threads = 0, a step of the
+// caller's: see run); built against the OpenMP runtime torch has
 // already loaded (same soname), so these are torch's intra-op threads.
 #include <algorithm>
 #include <cstdint>
@@ -71,17 +72,27 @@ void write_kv(const Params& p) {
     }
 }
 
+// Called by every thread of a parallel region (or by one thread outside any).
+template <typename T, int D>
+void write_and_attend(const Params& p) {
+    write_kv<T>(p);  // ends in an implicit barrier: every slot is written before any read
+    Tile<T, D> tile(p);
+    const int64_t units = p.num_items * p.num_kv_heads;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u)
+        tile.attend(p.items + 3 * (u / p.num_kv_heads), static_cast<int>(u % p.num_kv_heads));
+}
+
+// num_threads = 0: the call is one step of an enclosing parallel region (cpu_decoder.cpp),
+// made by every thread of its team with the same arguments.
 template <typename T, int D>
 void run(const Params& p, int num_threads) {
-    const int64_t units = p.num_items * p.num_kv_heads;
-#pragma omp parallel num_threads(num_threads)
-    {
-        write_kv<T>(p);  // ends in an implicit barrier: every slot is written before any read
-        Tile<T, D> tile(p);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; ++u)
-            tile.attend(p.items + 3 * (u / p.num_kv_heads), static_cast<int>(u % p.num_kv_heads));
+    if (num_threads == 0) {
+        write_and_attend<T, D>(p);
+        return;
     }
+#pragma omp parallel num_threads(num_threads)
+    write_and_attend<T, D>(p);
 }
 
 template <typename T>
@@ -103,7 +114,8 @@ int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* 
                         const int32_t* block_table, int64_t bt_stride, const int32_t* items,
                         int64_t num_items, void* out, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int num_threads) {
-    if (num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0) return 1;
+    if (num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_threads < 0)
+        return 1;
     Params p{q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
              query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out,
              num_heads, num_kv_heads, head_dim, block_size, scale};

@@ -21,7 +21,11 @@
 //     by all x rows, MV = NVM * W at a time (NVM = 1 up to W rows, else 2); threads split
 //     the strips.
 // Threads: one OpenMP parallel region per call when the work reaches PARALLEL_WORK, on
-// torch's intra-op threads (the library links the OpenMP runtime torch has loaded).
+// torch's intra-op threads (the library links the OpenMP runtime torch has loaded). With
+// num_threads = 0 the call is one step of an enclosing parallel region (cpu_decoder.cpp):
+// every thread of that team calls it with the same arguments and the direct driver's rows
+// are shared among them (an orphaned worksharing loop, ending in its barrier); only the
+// direct driver's row counts (<= DIRECT_ROWS) are taken so.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -82,11 +86,12 @@ void direct_tile(const Args& a, const BlockRows<Q>& src, int64_t m0, int64_t n0)
 }
 
 // Threads take contiguous ranges of DOT_GROUP weight rows; per group, all x rows DOT_ROWS at a
-// time (a second pass over the group's rows reads them from L1).
+// time (a second pass over the group's rows reads them from L1). Shares the groups among the
+// threads of the enclosing parallel region (all of them call it), or runs them all outside one.
 template <class Q>
-void direct(const Args& a, bool parallel, int num_threads) {
+void direct_groups(const Args& a) {
     const int64_t groups = (a.n + DOT_GROUP - 1) / DOT_GROUP;
-#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         for (int64_t m0 = 0; m0 < a.m; m0 += DOT_ROWS)
             with_rows<DOT_ROWS>(static_cast<int>(std::min<int64_t>(DOT_ROWS, a.m - m0)),
@@ -100,6 +105,12 @@ void direct(const Args& a, bool parallel, int num_threads) {
                 }
             });
     }
+}
+
+template <class Q>
+void direct(const Args& a, bool parallel, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    direct_groups<Q>(a);
 }
 
 // A float buffer of at least `size` elements owned by the calling thread and reused by its
@@ -159,13 +170,14 @@ void strips(const Args& a, bool parallel, int num_threads) {
 
 extern "C" {
 
-// Status: 0, or 1 for bad sizes (K not a whole number of blocks, negative sizes), 2 for a
-// GGML type without a kernel here.
+// Status: 0, or 1 for bad sizes (K not a whole number of blocks, negative sizes, more than
+// DIRECT_ROWS rows with num_threads = 0), 2 for a GGML type without a kernel here.
 __attribute__((visibility("default")))
 int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int64_t x_stride,
                 float* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int accumulate,
                 int num_threads) {
-    if (m < 0 || n < 0 || k <= 0) return 1;
+    if (m < 0 || n < 0 || k <= 0 || num_threads < 0) return 1;
+    if (num_threads == 0 && m > DIRECT_ROWS) return 1;
     const Args a{static_cast<const uint8_t*>(w), w_stride, x, x_stride, y, y_stride, m, n, k,
                  accumulate != 0};
     const bool parallel = num_threads > 1 && m * n * k >= PARALLEL_WORK;
@@ -173,6 +185,7 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
     const bool known = with_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
+        else if (num_threads == 0) direct_groups<Q>(a);
         else if (m <= DIRECT_ROWS) direct<Q>(a, parallel, num_threads);
         else if (m <= W) strips<Q, 1>(a, parallel, num_threads);
         else strips<Q, 2>(a, parallel, num_threads);
@@ -197,5 +210,8 @@ int gguf_dequantize(int qtype, const void* w, int64_t w_stride, float* out, int6
 
 // Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.
 __attribute__((visibility("default"))) int gguf_simd_width() { return W; }
+
+// The most x rows a call inside an enclosing parallel region (num_threads = 0) takes.
+__attribute__((visibility("default"))) int gguf_direct_rows() { return DIRECT_ROWS; }
 
 }  // extern "C"

@@ -16,6 +16,7 @@ from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.config import ModelConfig
+from worker.models.native_layer_loop import NativeLayerLoop
 
 
 class LlamaAttention(nn.Module):
@@ -113,6 +114,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                           config.rope_scaling)
+        # Made on the first forward (the weights are final by then); False: not taken.
+        self.native_loop: NativeLayerLoop | None | bool = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
@@ -121,9 +124,15 @@ class LlamaModel(nn.Module):
         # The float32 stream, updated in place by the layers (a fresh tensor: the embedding
         # lookup's output, or its float32 copy).
         residual = embeds.float()
-        pending = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            pending = layer(positions, pending, residual, kv_cache, metadata, self.rotary_emb)
+        if self.native_loop is None:
+            self.native_loop = NativeLayerLoop.build(self) or False
+        if self.native_loop and self.native_loop.takes(residual.shape[0], kv_caches):
+            pending = self.native_loop(positions, residual, metadata)
+        else:
+            pending = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                pending = layer(positions, pending, residual, kv_cache, metadata,
+                                self.rotary_emb)
         if pending is None:  # no layers
             return self.norm(residual, embeds.dtype)
         return self.norm.add_and_norm(pending, residual, embeds.dtype)

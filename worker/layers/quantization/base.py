@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from worker.native.gguf_matrix import GgufMatrix
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,16 @@ class QuantizeMethodBase(ABC):
         form, e.g. a packed or repacked layout."""
 
 
+@dataclass(frozen=True, slots=True)
+class NativeWeights:
+    """A linear layer's weight as native callers take it (worker/native/cpu_decoder.py):
+    `segments` (matrix, start, stop) cover output rows [start, stop) in order, and `scale`
+    (float32 [out_per_rank], or None) multiplies output column n by scale[n] afterwards."""
+
+    segments: tuple[tuple[GgufMatrix, int, int], ...]
+    scale: torch.Tensor | None = None
+
+
 class LinearMethodBase(QuantizeMethodBase):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor,
@@ -78,6 +92,11 @@ class LinearMethodBase(QuantizeMethodBase):
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         """The dtype `apply` takes and returns: the dense weight's; quantized methods say."""
         return layer.weight.dtype
+
+    def native_weights(self, layer: nn.Module) -> NativeWeights | None:
+        """The weight as GGUF-kernel matrices, whose products equal `apply`'s (without the
+        bias); None where this method has no such form."""
+        return None
 
 
 class EmbeddingMethodBase(QuantizeMethodBase):

@@ -17,6 +17,7 @@ from torch import nn
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
     LinearMethodBase,
+    NativeWeights,
     QuantizationConfig,
     ShardDims,
     parameter,
@@ -98,6 +99,9 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
+
+    def native_weights(self, layer: nn.Module) -> NativeWeights:
+        return NativeWeights(tuple(layer.gguf_matrices))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
     LinearMethodBase,
+    NativeWeights,
     QuantizationConfig,
     ShardDims,
     parameter,
@@ -47,6 +48,12 @@ class Int8Matrix:
         self._matrix = (GgufMatrix(q.view(torch.uint8), I8.code, n, k)
                         if k % I8.block_elems == 0 else None)
 
+    def native_weights(self) -> NativeWeights | None:
+        """The I8 matrix and the row scales (None where torch's kernel runs instead)."""
+        if self._matrix is None:
+            return None
+        return NativeWeights(((self._matrix, 0, self._matrix.n),), self.scale)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32."""
         if self._matrix is None:
@@ -74,6 +81,9 @@ class Int8LinearMethod(LinearMethodBase):
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
+
+    def native_weights(self, layer: nn.Module) -> NativeWeights | None:
+        return layer.int8_matrix.native_weights()
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

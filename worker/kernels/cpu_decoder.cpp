@@ -1,0 +1,159 @@
+// A Llama decoder's layers over a few token rows in one call and one OpenMP parallel region:
+// the per-layer sequence of the Python layer loop (worker/models/llama.py), each step a call
+// of the same kernel the loop would make, so the results are the loop's bit for bit. What it
+// saves is the loop's per-layer cost: ~9 ctypes calls, their allocations and parallel regions.
+//
+// The kernels live in their own libraries (cpu_ops, gguf_matmul, cpu_paged_attention) and
+// are reached through the function pointers in Kernels. Each is called by every thread of
+// this region with the same arguments and num_threads = 0, which makes it share its rows
+// among the team (an orphaned worksharing loop) and end in that loop's barrier, so a step's
+// output is complete before the next step reads it. A step's status is the same on every
+// thread (it depends only on the arguments), so all threads leave the loop together.
+//
+// Layouts (float32, row-major, rows contiguous; m token rows, row strides the widths):
+//   residual [m, hidden]          the float32 stream, updated in place
+//   pending  [m, hidden]          out: the last layer's MLP output, not yet added to residual
+//   h [m, hidden], qkv [m, (num_heads + 2 num_kv_heads) head_dim], attn [m, num_heads
+//   head_dim], gate_up [m, 2 intermediate], act [m, intermediate]: scratch
+//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 per layer
+//   Linear: W [N, K] as segments of output rows [start, stop), each a GGUF matrix (qtype,
+//   row bytes at w + r * w_stride); `scale` (may be null) multiplies output column n by
+//   scale[n] afterwards (weight-only int8's row scales).
+#include <cstdint>
+
+namespace {
+
+using MatmulFn = int (*)(int, const void*, int64_t, const float*, int64_t, float*, int64_t,
+                         int64_t, int64_t, int64_t, int, int);
+using NormFn = int (*)(int, int, void*, int64_t, const void*, int64_t, float*, int64_t,
+                       const float*, int64_t, int64_t, float, int);
+using SiluFn = int (*)(int, void*, int64_t, const void*, int64_t, int64_t, int64_t, int);
+using RopeFn = int (*)(int, const int64_t*, void*, int64_t, int, void*, int64_t, int, int64_t,
+                       int, const float*, const float*, int64_t, int);
+using AttentionFn = int (*)(int, const void*, int64_t, const void*, int64_t, const void*,
+                            int64_t, void*, void*, const int64_t*, int64_t, const int32_t*,
+                            const int32_t*, const int32_t*, int64_t, const int32_t*, int64_t,
+                            void*, int, int, int, int, float, int);
+
+constexpr int MAX_SEGMENTS = 4;
+constexpr int F32 = 0;   // cpu_dtypes.h's dtype code
+constexpr int TEAM = 0;  // num_threads: a step of the enclosing region
+
+}  // namespace
+
+// Mirrored by ctypes Structures in worker/native/cpu_decoder.py (same order and types).
+struct Kernels {
+    MatmulFn matmul; NormFn norm; SiluFn silu; RopeFn rope; AttentionFn attention;
+};
+struct Segment {
+    int64_t qtype; const void* w; int64_t w_stride; int64_t start, stop;
+};
+struct Linear {
+    int64_t k; const float* scale; int64_t num_segments; Segment segments[MAX_SEGMENTS];
+};
+struct Layer {
+    const float* input_norm; const float* post_norm;
+    Linear qkv, o, gate_up, down;
+    void* k_cache; void* v_cache;
+};
+struct Model {
+    int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
+    float eps, scale;
+    const float* cos; const float* sin;
+};
+struct Step {
+    int64_t m; const int64_t* positions;
+    const int64_t* slot_mapping; const int32_t* query_start_loc; const int32_t* seq_lens;
+    const int32_t* block_table; int64_t bt_stride; const int32_t* items; int64_t num_items;
+    float* residual; float* pending; float* h; float* qkv; float* attn; float* gate_up;
+    float* act;
+};
+
+namespace {
+
+// y [m, N] (row stride y_stride) = x [m, K] (row stride x_stride) · Wᵀ, then × scale.
+int linear(const Kernels& f, const Linear& w, const float* x, int64_t x_stride, float* y,
+           int64_t y_stride, int64_t m) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < w.num_segments; ++s) {
+        const Segment& g = w.segments[s];
+        const int status = f.matmul(static_cast<int>(g.qtype), g.w, g.w_stride, x, x_stride,
+                                    y + g.start, y_stride, m, g.stop - g.start, w.k, 0, TEAM);
+        if (status) return status;
+        n = g.stop;
+    }
+    if (w.scale) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < n; ++c) y[r * y_stride + c] *= w.scale[c];
+    }
+    return 0;
+}
+
+// residual += x (unless x is null), then h = RMSNorm(residual) · weight.
+int add_and_norm(const Kernels& f, const Model& d, const Step& s, const float* x,
+                 const float* weight) {
+    const int64_t hd = d.hidden;
+    if (!x) return f.norm(F32, F32, s.h, hd, s.residual, hd, nullptr, 0, weight, s.m, hd, d.eps,
+                          TEAM);
+    return f.norm(F32, F32, s.h, hd, x, hd, s.residual, hd, weight, s.m, hd, d.eps, TEAM);
+}
+
+// q/k rotated in place, the step's K/V written to their slots, attn = attention(q, K, V).
+int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
+    const int64_t width = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim;
+    float* q = s.qkv;
+    float* k = q + d.num_heads * d.head_dim;
+    float* v = k + d.num_kv_heads * d.head_dim;
+    const int nh = static_cast<int>(d.num_heads), nkv = static_cast<int>(d.num_kv_heads);
+    const int hd = static_cast<int>(d.head_dim);
+    int status = f.rope(F32, s.positions, q, width, nh, k, width, nkv, s.m, hd, d.cos, d.sin,
+                        d.max_position, TEAM);
+    if (status) return status;
+    return f.attention(F32, q, width, k, width, v, width, l.k_cache, l.v_cache, s.slot_mapping,
+                       s.m, s.query_start_loc, s.seq_lens, s.block_table, s.bt_stride, s.items,
+                       s.num_items, s.attn, nh, nkv, hd, static_cast<int>(d.block_size),
+                       d.scale, TEAM);
+}
+
+// One decoder layer; `pending` holds the previous layer's MLP output (first: nothing).
+int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& s, bool first) {
+    const int64_t hidden = d.hidden, inter = d.intermediate, m = s.m;
+    const int64_t width = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim;
+    const int64_t attn_width = d.num_heads * d.head_dim;
+    int status = add_and_norm(f, d, s, first ? nullptr : s.pending, l.input_norm);
+    if (!status) status = linear(f, l.qkv, s.h, hidden, s.qkv, width, m);
+    if (!status) status = attention(f, d, l, s);
+    if (!status) status = linear(f, l.o, s.attn, attn_width, s.pending, hidden, m);
+    if (!status) status = add_and_norm(f, d, s, s.pending, l.post_norm);
+    if (!status) status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
+    if (!status) status = f.silu(F32, s.act, inter, s.gate_up, 2 * inter, m, inter, TEAM);
+    if (!status) status = linear(f, l.down, s.act, inter, s.pending, hidden, m);
+    return status;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs layers [0, num_layers) over the step's rows; residual starts as the embeddings.
+// Status: 0, or the first failing kernel's (the same on every thread).
+__attribute__((visibility("default")))
+int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, int num_layers,
+                        const Step* s, int num_threads) {
+    if (num_threads <= 0 || num_layers < 0 || s->m < 0) return 1;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int mine = 0;
+        for (int i = 0; i < num_layers && !mine; ++i)
+            mine = layer_forward(*f, *d, layers[i], *s, i == 0);
+        if (mine) {
+#pragma omp atomic write
+            status = mine;
+        }
+    }
+    return status;
+}
+
+}  // extern "C"

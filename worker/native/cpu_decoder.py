@@ -1,0 +1,88 @@
+"""The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama model's layers over a few
+token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF and attention
+libraries inside one parallel region. The ctypes Structures here mirror the C++ structs field
+by field.
+
+`load()` is the bound library, or None where one of the four libraries cannot be built here
+(callers keep the Python layer loop).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+from worker.native import cpu_attention, gguf_ops
+from worker.native.cpu_ops import native_ops
+from worker.native.library import I32, PTR, UNAVAILABLE, build_library, entry_point
+
+logger = logging.getLogger("deltaserve")
+
+MAX_SEGMENTS = 4  # cpu_decoder.cpp's
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class Kernels(ctypes.Structure):
+    _fields_ = [("matmul", _P), ("norm", _P), ("silu", _P), ("rope", _P), ("attention", _P)]
+
+
+class Segment(ctypes.Structure):
+    _fields_ = [("qtype", _I64), ("w", _P), ("w_stride", _I64), ("start", _I64),
+                ("stop", _I64)]
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("k", _I64), ("scale", _P), ("num_segments", _I64),
+                ("segments", Segment * MAX_SEGMENTS)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I64),
+                ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
+                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("cos", _P),
+                ("sin", _P)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("m", _I64), ("positions", _P), ("slot_mapping", _P),
+                ("query_start_loc", _P), ("seq_lens", _P), ("block_table", _P),
+                ("bt_stride", _I64), ("items", _P), ("num_items", _I64), ("residual", _P),
+                ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
+                ("act", _P)]
+
+
+@dataclass(frozen=True, slots=True)
+class NativeDecoder:
+    """The entry point, the kernels' addresses, and the most rows a call takes."""
+
+    forward: ctypes._CFuncPtr
+    kernels: Kernels
+    max_rows: int
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+@functools.cache
+def load() -> NativeDecoder | None:
+    ops, gguf = native_ops(), gguf_ops.native()
+    if ops is None or gguf is None:
+        return None
+    try:
+        library = build_library("cpu-decoder", ("cpu_decoder.cpp",))
+        attention = cpu_attention.load()
+    except UNAVAILABLE as e:
+        logger.warning("native decoder loop unavailable, using the Python layer loop: %s", e)
+        return None
+    forward = entry_point(library, "cpu_decoder_forward",
+                          [PTR, PTR, PTR, I32, PTR, I32])
+    kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
+                      _address(ops._rope), _address(attention))
+    return NativeDecoder(forward, kernels, gguf.direct_rows)
