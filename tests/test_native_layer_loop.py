@@ -129,3 +129,19 @@ def test_more_rows_than_it_takes_go_through_the_loop(gguf_dir):
     assert loop.takes(loop.max_rows, r.kv_caches)
     assert not loop.takes(loop.max_rows + 1, r.kv_caches)
     assert not loop.takes(0, r.kv_caches)
+
+
+@torch.inference_mode()
+def test_a_position_outside_the_rotary_table_is_an_index_error(gguf_dir):
+    """Every thread of the native call stops at the same step; the next call works."""
+    r = runner(gguf_dir, "gguf", max_model_len=512)
+    model = r.model.model
+    model.native_loop = NativeLayerLoop.build(model)
+    metadata, _ = _metadata([1], [0], [[1]])
+    r.attention.plan(metadata)
+    with pytest.raises(IndexError, match="rotary"):
+        r.model(torch.tensor([5]), torch.tensor([10 ** 6]), r.kv_caches, metadata)
+    metadata.plan = None
+    r.attention.plan(metadata)
+    hidden = r.model(torch.tensor([5]), torch.tensor([0]), r.kv_caches, metadata)
+    assert hidden.isfinite().all()
