@@ -148,7 +148,8 @@ def float32_dir(smollm2: str) -> str:
 def batch_section(args, smollm2: str) -> None:
     dense_dir = float32_dir(smollm2)
     common = {"max_model_len": 512, "max_num_seqs": 256}
-    ours = {"enable_prefix_caching": False, "kv_cache_memory_bytes": KV_BYTES, "seed": 0,
+    kv_bytes = int(args.kv_gib * (1 << 30))
+    ours = {"enable_prefix_caching": False, "kv_cache_memory_bytes": kv_bytes, "seed": 0,
             **common}
     with LLM(smollm2, **ours) as llm, LLM(smollm2, quantization="none", **ours) as dense:
         runs = {"gguf": lambda p, n: ours_generate(llm, p, n),
@@ -157,7 +158,7 @@ def batch_section(args, smollm2: str) -> None:
         if args.vllm_python:
             peer = Peer(args.vllm_python)
             peer.call("offline_init", model=dense_dir, dtype="float32",
-                      kv_cache_memory_bytes=KV_BYTES, **common)
+                      kv_cache_memory_bytes=kv_bytes, **common)
             runs["vLLM float32"] = lambda p, n: vllm_generate(peer, p, n)
         for run in runs.values():
             run(make_prompts(8, 16, 4096, 1), 8)  # warm-up
@@ -166,7 +167,8 @@ def batch_section(args, smollm2: str) -> None:
             engines = {name: (lambda r=run: _generated(r(prompts, out_len)))
                        for name, run in runs.items()}
             rates = interleave(engines, args.rounds)
-            print(f"SmolLM2 {num} x ({in_len} in, {out_len} out), output tok/s:")
+            print(f"SmolLM2 {num} x ({in_len} in, {out_len} out), KV cache {args.kv_gib:g} GiB "
+                  "per engine, output tok/s:")
             for name, values in rates.items():
                 print(f"  {name:13s} {spread(values)}")
             if peer is not None:
@@ -234,6 +236,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--threads", type=int, default=2, help="threads per engine (stream, int8)")
     parser.add_argument("--chats", type=int, default=len(CHATS), help="stream: chats per round")
+    parser.add_argument("--kv-gib", type=float, default=1.0,
+                        help="batch: KV-cache GiB per engine (SmolLM2 float32 holds ~23k tokens "
+                             "per GiB; 256 x (128, 128) needs ~2.8 GiB to run without preemption)")
     parser.add_argument("--shape", action="append", default=[], metavar="N,IN,OUT",
                         help="batch shapes (default: 32,64,64 and 256,128,128)")
     args = parser.parse_args()

@@ -141,6 +141,19 @@ def test_threads_do_not_change_results(ops):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_a_call_as_a_team_step_equals_a_call_of_its_own(ops):
+    """num_threads = 0 (the native layer loop's calls) outside any parallel region runs every
+    driver (direct, strips of one and two vectors) on the caller: the same bits."""
+    w = _weights("Q4_1", 300, 576, seed=4)
+    for m in (1, 7, 9, 40, 100):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        own = ops.matmul(x, w, "Q4_1", 300, 576)
+        team = torch.empty(m, 300)
+        assert ops._matmul(3, w.data_ptr(), w.stride(0), x.data_ptr(), 576, team.data_ptr(),
+                           300, m, 300, 576, 0, 0) == 0
+        assert torch.equal(own, team), m
+
+
 def test_rejects_bad_arguments(ops):
     w = _weights("Q4_1", 4, 64, seed=0)
     x = torch.randn(2, 64)
@@ -159,6 +172,8 @@ def test_rejects_bad_arguments(ops):
                        1) == 1
     assert ops._matmul(99, w.data_ptr(), 40, x.data_ptr(), 64, y.data_ptr(), 4, 2, 4, 64, 0,
                        1) == 2
+    assert ops._matmul(3, w.data_ptr(), 40, x.data_ptr(), 64, y.data_ptr(), 4, 2, 4, 64, 0,
+                       -1) == 1  # negative threads
     assert ops.matmul(torch.empty(0, 64), w, "Q4_1", 4, 64).shape == (0, 4)
 
 

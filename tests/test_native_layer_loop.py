@@ -1,6 +1,6 @@
 """The native layer loop (worker/models/native_layer_loop.py) against the Python layer loop on
-the same runner: a few requests prefilled, then decoded together in batches of 1 to the most
-rows it takes, every hidden row and every written K/V slot equal bit for bit; GGUF (three
+the same runner: a few requests prefilled, decoded together, and a step mixing both, every
+hidden row and every written K/V slot equal bit for bit; GGUF (three
 types merged into q/k/v, K-quants) and weight-only int8. Models it cannot take keep the loop."""
 from __future__ import annotations
 
@@ -73,39 +73,45 @@ def _both(r, ids: torch.Tensor, positions: torch.Tensor, metadata) -> tuple:
     return tuple(out)
 
 
+def _step(r, query_lens: list[int], contexts: list[int], tables: list[list[int]],
+          gen: torch.Generator) -> None:
+    metadata, positions = _metadata(query_lens, contexts, tables)
+    ids = torch.randint(0, 200, (sum(query_lens),), generator=gen)
+    a, ca, b, cb = _both(r, ids, positions, metadata)
+    assert torch.equal(a, b), f"{query_lens}: {(a - b).abs().max()}"
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
 @torch.inference_mode()
 def _check_equal_to_loop(r) -> int:
-    """Prefill 5 requests, then decode them in batches of 1..max_rows; returns the rows run
-    through the native loop."""
+    """Prefill 6 requests (1 to 70 tokens: each product driver, and the loop past max_rows),
+    decode them in batches of 1 to 6, then a step mixing decodes with a prefill chunk; returns
+    the rows run through the native loop."""
     model = r.model.model
     model.native_loop = NativeLayerLoop.build(model)
     assert model.native_loop, "the model should be taken"
     native = model.native_loop
     gen = torch.Generator().manual_seed(0)
-    prompt_lens = [3, 17, 1, 9, 30][:max(2, native.max_rows)]
-    # 4 blocks each: blocks 1..20 (the runners below have 34)
-    tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompt_lens))]
+    prompt_lens = [3, 17, 1, 9, 30, 70]
+    # 5 blocks of 16 each: blocks 1..30 (the runners below have 34)
+    tables = [[1 + 5 * i + j for j in range(5)] for i in range(len(prompt_lens))]
     contexts = [0] * len(prompt_lens)
     rows = 0
-    for i, n in enumerate(prompt_lens):  # prefills: short ones natively, long ones by the loop
-        metadata, positions = _metadata([n], [0], [tables[i]])
-        ids = torch.randint(0, 200, (n,), generator=gen)
-        a, ca, b, cb = _both(r, ids, positions, metadata)
-        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ca, cb))
+    for i, n in enumerate(prompt_lens[:-1]):
+        _step(r, [n], [0], [tables[i]], gen)
         rows += n if n <= native.max_rows else 0
         contexts[i] = n
     for step in range(6):
-        batch = list(range(len(prompt_lens)))[:1 + step % native.max_rows]
-        metadata, positions = _metadata([1] * len(batch), [contexts[i] for i in batch],
-                                        [tables[i] for i in batch])
-        ids = torch.randint(0, 200, (len(batch),), generator=gen)
-        a, ca, b, cb = _both(r, ids, positions, metadata)
-        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
-        assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+        batch = list(range(len(prompt_lens) - 1))[:1 + step % 5]
+        _step(r, [1] * len(batch), [contexts[i] for i in batch], [tables[i] for i in batch],
+              gen)
         for i in batch:
             contexts[i] += 1
         rows += len(batch)
-    return rows
+    _step(r, [1, 1, 1, 9], [contexts[0], contexts[1], contexts[2], 0],
+          [tables[0], tables[1], tables[2], tables[5]], gen)  # decodes + a chunk
+    _step(r, [1, 70 - 9], [contexts[0] + 1, 9], [tables[0], tables[5]], gen)
+    return rows + 12 + 62
 
 
 def test_gguf_model_equals_the_python_loop(gguf_dir):

@@ -23,9 +23,8 @@
 // Threads: one OpenMP parallel region per call when the work reaches PARALLEL_WORK, on
 // torch's intra-op threads (the library links the OpenMP runtime torch has loaded). With
 // num_threads = 0 the call is one step of an enclosing parallel region (cpu_decoder.cpp):
-// every thread of that team calls it with the same arguments and the direct driver's rows
-// are shared among them (an orphaned worksharing loop, ending in its barrier); only the
-// direct driver's row counts (<= DIRECT_ROWS) are taken so.
+// every thread of that team calls it with the same arguments and the driver's rows or units
+// are shared among them (orphaned worksharing loops, the last ending in its barrier).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -147,39 +146,53 @@ void strip_unit(const Args& a, int64_t n0, int64_t t0, int64_t t1, const float* 
 // the threads work through the same block at the same time and the last block, which may
 // be one tile where the others are seven, is shared too (contiguous halves left it to one
 // thread: 256 rows of K = 576 ran at 0.6x the speed of 64 rows).
+// Called by every thread of a parallel region (or by one thread outside any); xᵀ lives in
+// the buffer of whichever thread takes the `single`, shared with the others.
 template <class Q, int NVM>
-void strips(const Args& a, bool parallel, int num_threads) {
+void strip_units(const Args& a) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
     const int64_t tiles = (a.m + MV - 1) / MV, strips = (a.n + RN - 1) / RN;
     const int64_t block = std::max<int64_t>(1, X_BLOCK_BYTES / (MV * a.k * 4));
     const int64_t units = (tiles + block - 1) / block * strips;
-    float* const xt = thread_buffer(0, tiles * MV * a.k);
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    {
+    float* xt = nullptr;
+#pragma omp single copyprivate(xt)
+    xt = thread_buffer(0, tiles * MV * a.k);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t)
-            pack_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
-        float* const stage = thread_buffer(1, RN * std::min(KC, a.k));
+    for (int64_t t = 0; t < tiles; ++t)
+        pack_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
+    float* const stage = thread_buffer(1, RN * std::min(KC, a.k));
 #pragma omp for schedule(static, 1)
-        for (int64_t u = 0; u < units; ++u) {
-            const int64_t t0 = u / strips * block;
-            strip_unit<Q, NVM>(a, u % strips * RN, t0, std::min(tiles, t0 + block), xt, stage);
-        }
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t t0 = u / strips * block;
+        strip_unit<Q, NVM>(a, u % strips * RN, t0, std::min(tiles, t0 + block), xt, stage);
     }
+}
+
+template <class Q, int NVM>
+void strips(const Args& a, bool parallel, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    strip_units<Q, NVM>(a);
+}
+
+// A call inside an enclosing region (num_threads = 0): the drivers' shared parts.
+template <class Q>
+void team_matmul(const Args& a) {
+    if (a.m <= DIRECT_ROWS) direct_groups<Q>(a);
+    else if (a.m <= W) strip_units<Q, 1>(a);
+    else strip_units<Q, 2>(a);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Status: 0, or 1 for bad sizes (K not a whole number of blocks, negative sizes, more than
-// DIRECT_ROWS rows with num_threads = 0), 2 for a GGML type without a kernel here.
+// Status: 0, or 1 for bad sizes (K not a whole number of blocks, negative sizes), 2 for a
+// GGML type without a kernel here.
 __attribute__((visibility("default")))
 int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int64_t x_stride,
                 float* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int accumulate,
                 int num_threads) {
     if (m < 0 || n < 0 || k <= 0 || num_threads < 0) return 1;
-    if (num_threads == 0 && m > DIRECT_ROWS) return 1;
     const Args a{static_cast<const uint8_t*>(w), w_stride, x, x_stride, y, y_stride, m, n, k,
                  accumulate != 0};
     const bool parallel = num_threads > 1 && m * n * k >= PARALLEL_WORK;
@@ -187,7 +200,7 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
     const bool known = with_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
-        else if (num_threads == 0) direct_groups<Q>(a);
+        else if (num_threads == 0) team_matmul<Q>(a);
         else if (m <= DIRECT_ROWS) direct<Q>(a, parallel, num_threads);
         else if (m <= W) strips<Q, 1>(a, parallel, num_threads);
         else strips<Q, 2>(a, parallel, num_threads);
@@ -213,7 +226,5 @@ int gguf_dequantize(int qtype, const void* w, int64_t w_stride, float* out, int6
 // Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.
 __attribute__((visibility("default"))) int gguf_simd_width() { return W; }
 
-// The most x rows a call inside an enclosing parallel region (num_threads = 0) takes.
-__attribute__((visibility("default"))) int gguf_direct_rows() { return DIRECT_ROWS; }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
-"""A Llama model's layer loop as one native call (worker/native/cpu_decoder.py) for steps of a
-few token rows (decode batches), where the Python loop's per-layer calls cost more than the
-arithmetic. It runs the same kernels in the same order, so its outputs equal the loop's bit
+"""A Llama model's layer loop as one native call (worker/native/cpu_decoder.py) for steps of up
+to 64 token rows (decode batches, short prefill chunks), where the Python loop's per-layer
+calls weigh against the arithmetic. It runs the same kernels in the same order, so its outputs equal the loop's bit
 for bit; LlamaModel falls back to the loop for anything it does not take.
 
 Taken: tensor parallelism 1 on the CPU, float32 compute, the native attention backend with a

@@ -20,6 +20,10 @@ from worker.native.library import I32, PTR, UNAVAILABLE, build_library, entry_po
 logger = logging.getLogger("deltaserve")
 
 MAX_SEGMENTS = 4  # cpu_decoder.cpp's
+# The most token rows a call takes (the scratch rows a loop allocates): decode batches and
+# short prefill chunks, where the Python loop's per-layer calls weigh; above it the
+# arithmetic dwarfs them.
+MAX_ROWS = 64
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -85,4 +89,4 @@ def load() -> NativeDecoder | None:
                           [PTR, PTR, PTR, I32, PTR, I32])
     kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
                       _address(ops._rope), _address(attention))
-    return NativeDecoder(forward, kernels, gguf.direct_rows)
+    return NativeDecoder(forward, kernels, MAX_ROWS)

@@ -98,8 +98,6 @@ class GgufOps:
         self._matmul = entry_point(library, "gguf_matmul", _MATMUL_ARGS)
         self._dequantize = entry_point(library, "gguf_dequantize", _DEQUANTIZE_ARGS)
         self.simd_width: int = entry_point(library, "gguf_simd_width", [])()
-        # the most x rows a call inside an enclosing parallel region takes (cpu_decoder.cpp)
-        self.direct_rows: int = entry_point(library, "gguf_direct_rows", [])()
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
