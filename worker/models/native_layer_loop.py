@@ -60,18 +60,19 @@ class NativeLayerLoop:
     cache addresses. Scratch rows for `max_rows` tokens are allocated once."""
 
     def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer]) -> None:
-        attn, config = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
+        attn, gate_up = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
         rotary, norm = model.rotary_emb, model.layers[0].input_layernorm
-        self._native, self.max_rows, self._layers = native, native.max_rows, layers
+        self._native, self.max_rows, self._num_layers = native, native.max_rows, len(layers)
         self._table = (Layer * len(layers))(*layers)
         self._group = attn.num_heads // attn.num_kv_heads
-        hidden, inter = norm.weight.shape[0], config.weight.shape[0] // 2
+        hidden, inter = norm.weight.shape[0], gate_up.weight.shape[0] // 2
         self._model = Model(hidden, inter, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
                             rotary.cos.shape[0], norm.eps, attn.scale, rotary.cos.data_ptr(),
                             rotary.sin.data_ptr())
         self._rotary = rotary  # keeps the cos/sin tables alive
         widths = {"h": hidden, "qkv": (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
                   "attn": attn.num_heads * attn.head_dim, "gate_up": 2 * inter, "act": inter}
+        # float32 [max_rows, width] each; a step uses its first m rows (cpu_decoder.cpp)
         self._scratch = {name: torch.empty(self.max_rows, w) for name, w in widths.items()}
         self._pending = torch.empty(self.max_rows, hidden)
         self._caches_key: tuple[int, ...] = ()
@@ -100,7 +101,7 @@ class NativeLayerLoop:
         key = (id(kv_caches), first.data_ptr(), last.data_ptr(), first.shape[1])
         if key == self._caches_key:
             return True
-        if len(kv_caches) != len(self._layers) or not all(
+        if len(kv_caches) != self._num_layers or not all(
                 _float_rows(t) and t.dim() == 4 for kv in kv_caches for t in kv):
             return False
         for i, (k, v) in enumerate(kv_caches):
@@ -126,7 +127,7 @@ class NativeLayerLoop:
                     self._pending.data_ptr(), s["h"].data_ptr(), s["qkv"].data_ptr(),
                     s["attn"].data_ptr(), s["gate_up"].data_ptr(), s["act"].data_ptr())
         status = self._native.forward(ctypes.byref(self._native.kernels),
-                                      ctypes.byref(self._model), self._table, len(self._layers),
+                                      ctypes.byref(self._model), self._table, self._num_layers,
                                       ctypes.byref(step), torch.get_num_threads())
         if status == 2:
             raise IndexError("cpu_decoder_forward: a position is outside the rotary table")
