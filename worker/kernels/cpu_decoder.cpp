@@ -71,6 +71,9 @@ struct Step {
 
 namespace {
 
+// Floats per token row of the fused q/k/v projection.
+int64_t qkv_width(const Model& d) { return (d.num_heads + 2 * d.num_kv_heads) * d.head_dim; }
+
 // y [m, N] (row stride y_stride) = x [m, K] (row stride x_stride) · Wᵀ, then × scale.
 int linear(const Kernels& f, const Linear& w, const float* x, int64_t x_stride, float* y,
            int64_t y_stride, int64_t m) {
@@ -101,7 +104,7 @@ int add_and_norm(const Kernels& f, const Model& d, const Step& s, const float* x
 
 // q/k rotated in place, the step's K/V written to their slots, attn = attention(q, K, V).
 int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
-    const int64_t width = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim;
+    const int64_t width = qkv_width(d);
     float* q = s.qkv;
     float* k = q + d.num_heads * d.head_dim;
     float* v = k + d.num_kv_heads * d.head_dim;
@@ -119,7 +122,7 @@ int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
 // One decoder layer; `pending` holds the previous layer's MLP output (first: nothing).
 int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& s, bool first) {
     const int64_t hidden = d.hidden, inter = d.intermediate, m = s.m;
-    const int64_t width = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim;
+    const int64_t width = qkv_width(d);
     const int64_t attn_width = d.num_heads * d.head_dim;
     int status = add_and_norm(f, d, s, first ? nullptr : s.pending, l.input_norm);
     if (!status) status = linear(f, l.qkv, s.h, hidden, s.qkv, width, m);

@@ -106,12 +106,6 @@ void direct_groups(const Args& a) {
     }
 }
 
-template <class Q>
-void direct(const Args& a, bool parallel, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    direct_groups<Q>(a);
-}
-
 // A float buffer of at least `size` elements owned by the calling thread and reused by its
 // later calls; slot 0: xᵀ tiles (the caller's thread), 1: a decode stage (each thread).
 float* thread_buffer(int slot, int64_t size) {
@@ -168,15 +162,10 @@ void strip_units(const Args& a) {
     }
 }
 
-template <class Q, int NVM>
-void strips(const Args& a, bool parallel, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    strip_units<Q, NVM>(a);
-}
-
-// A call inside an enclosing region (num_threads = 0): the drivers' shared parts.
+// The driver for the row count, called by every thread of a parallel region (or by one
+// thread outside any).
 template <class Q>
-void team_matmul(const Args& a) {
+void drive(const Args& a) {
     if (a.m <= DIRECT_ROWS) direct_groups<Q>(a);
     else if (a.m <= W) strip_units<Q, 1>(a);
     else strip_units<Q, 2>(a);
@@ -200,10 +189,11 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
     const bool known = with_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
-        else if (num_threads == 0) team_matmul<Q>(a);
-        else if (m <= DIRECT_ROWS) direct<Q>(a, parallel, num_threads);
-        else if (m <= W) strips<Q, 1>(a, parallel, num_threads);
-        else strips<Q, 2>(a, parallel, num_threads);
+        else if (num_threads == 0) drive<Q>(a);  // a step of the caller's region
+        else {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+            drive<Q>(a);
+        }
     });
     return known ? status : 2;
 }
@@ -225,6 +215,5 @@ int gguf_dequantize(int qtype, const void* w, int64_t w_stride, float* out, int6
 
 // Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.
 __attribute__((visibility("default"))) int gguf_simd_width() { return W; }
-
 
 }  // extern "C"

@@ -20,7 +20,15 @@ from worker.attention.kv_cache_spec import KVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.layers.linear import LinearBase
 from worker.native import cpu_decoder
-from worker.native.cpu_decoder import MAX_SEGMENTS, Layer, Linear, Model, NativeDecoder, Step
+from worker.native.cpu_decoder import (
+    MAX_ROWS,
+    MAX_SEGMENTS,
+    Layer,
+    Linear,
+    Model,
+    NativeDecoder,
+    Step,
+)
 
 ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 
@@ -62,14 +70,13 @@ class NativeLayerLoop:
     def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer]) -> None:
         attn, gate_up = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
         rotary, norm = model.rotary_emb, model.layers[0].input_layernorm
-        self._native, self.max_rows, self._num_layers = native, native.max_rows, len(layers)
+        self._native, self.max_rows, self._num_layers = native, MAX_ROWS, len(layers)
         self._table = (Layer * len(layers))(*layers)
         self._group = attn.num_heads // attn.num_kv_heads
         hidden, inter = norm.weight.shape[0], gate_up.weight.shape[0] // 2
         self._model = Model(hidden, inter, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
                             rotary.cos.shape[0], norm.eps, attn.scale, rotary.cos.data_ptr(),
                             rotary.sin.data_ptr())
-        self._rotary = rotary  # keeps the cos/sin tables alive
         widths = {"h": hidden, "qkv": (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
                   "attn": attn.num_heads * attn.head_dim, "gate_up": 2 * inter, "act": inter}
         # float32 [max_rows, width] each; a step uses its first m rows (cpu_decoder.cpp)

@@ -63,11 +63,10 @@ class Step(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class NativeDecoder:
-    """The entry point, the kernels' addresses, and the most rows a call takes."""
+    """The entry point and the kernels' addresses."""
 
     forward: ctypes._CFuncPtr
     kernels: Kernels
-    max_rows: int
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -89,4 +88,4 @@ def load() -> NativeDecoder | None:
                           [PTR, PTR, PTR, I32, PTR, I32])
     kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
                       _address(ops._rope), _address(attention))
-    return NativeDecoder(forward, kernels, MAX_ROWS)
+    return NativeDecoder(forward, kernels)
