@@ -18,6 +18,11 @@ constexpr int DOT_GROUP = 4;               // weight rows per decode work unit (
 // Weight rows per tile with R x rows: as many as the accumulators allow, at most DOT_GROUP.
 constexpr int dot_tile_rows(int r) { return std::min(DOT_GROUP, DOT_ACC / r); }
 
+// The chunk's vectors in the order (0, VPC/2, 1, VPC/2 + 1, ...): a 4-bit type's low and
+// high nibbles of the same bytes (vectors v and v + VPC/2) are decoded one after the other, so
+// the widened bytes are used at once instead of being kept, or spilled, for half a chunk.
+constexpr int nibble_pair_order(int i) { return i % 2 * (VPC / 2) + i / 2; }
+
 // Weight rows as GGUF blocks: row r at base + r * stride (bytes).
 template <class Q>
 struct BlockRows {
@@ -63,7 +68,8 @@ SIMD_INLINE void dot_tile(const BlockRows<Q>& src, int valid, const float* const
             }
             const int64_t e0 = b * Q::kElems + c * CHUNK;
 #pragma GCC unroll 8
-            for (int v = 0; v < VPC; ++v) {
+            for (int i = 0; i < VPC; ++i) {
+                const int v = nibble_pair_order(i);
                 Vec xv[R];
 #pragma GCC unroll 8
                 for (int m = 0; m < R; ++m) xv[m] = in_register(load(x[m] + e0 + v * W));
