@@ -47,10 +47,13 @@ inline Vec broadcast(float x) {  // (splat's x + 0 would also turn -0 into +0)
 }
 // The f16 at p in every lane, and the adjacent pair at p, p + 2 (d and m) in every lane of
 // two vectors. On AVX2 one broadcast load and one conversion: a scalar conversion and
-// broadcast per field cost ~3 % of a Q4_1 one-row product and ~10 % of a Q8_0 one on
-// Zen 3 (bench_gguf_matmul). AVX-512 builds keep the scalar form (not measured there).
-inline Vec splat_f16(const uint8_t* p) {
+// broadcast per field cost ~3 % of a Q4_1 one-row product and up to ~10 % of a Q8_0 one on
+// Zen 3. AVX-512 builds keep the scalar form (not measured there).
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define GGUF_SPLAT_F16 1
+#endif
+inline Vec splat_f16(const uint8_t* p) {
+#ifdef GGUF_SPLAT_F16
     int16_t h;
     std::memcpy(&h, p, sizeof h);
     return (Vec)_mm256_cvtph_ps(_mm_set1_epi16(h));
@@ -58,14 +61,13 @@ inline Vec splat_f16(const uint8_t* p) {
     return broadcast(f16(p));
 #endif
 }
-inline void splat_f16_pair(const uint8_t* p, Vec& first, Vec& second) {
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+struct VecPair { Vec first, second; };
+inline VecPair splat_f16_pair(const uint8_t* p) {
+#ifdef GGUF_SPLAT_F16
     const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(u32(p))));
-    first = (Vec)_mm256_moveldup_ps(f);
-    second = (Vec)_mm256_movehdup_ps(f);
+    return {(Vec)_mm256_moveldup_ps(f), (Vec)_mm256_movehdup_ps(f)};
 #else
-    first = broadcast(f16(p));
-    second = broadcast(f16(p + 2));
+    return {splat_f16(p), splat_f16(p + 2)};
 #endif
 }
 // W bytes widened to int32 lanes: zero-extended (widen) or sign-extended (widen_signed).
@@ -123,9 +125,8 @@ struct Q4_1 {
     static constexpr int kElems = 32, kBytes = 20, kChunks = 1;
     struct Chunk { Vec d, m; const uint8_t* qs; };
     static Chunk chunk(const uint8_t* b, int) {
-        Chunk k{{}, {}, b + 4};
-        splat_f16_pair(b, k.d, k.m);
-        return k;
+        const auto [d, m] = splat_f16_pair(b);
+        return {d, m, b + 4};
     }
     static Vec at(const Chunk& k, int v) { return k.d * to_vec(nibbles32(k.qs, v * W)) + k.m; }
 };
@@ -144,9 +145,8 @@ struct Q5_1 {
     static constexpr int kElems = 32, kBytes = 24, kChunks = 1;
     struct Chunk { Vec d, m; uint32_t qh; const uint8_t* qs; };
     static Chunk chunk(const uint8_t* b, int) {
-        Chunk k{{}, {}, u32(b + 4), b + 8};
-        splat_f16_pair(b, k.d, k.m);
-        return k;
+        const auto [d, m] = splat_f16_pair(b);
+        return {d, m, u32(b + 4), b + 8};
     }
     static Vec at(const Chunk& k, int v) {
         const int e = v * W;
