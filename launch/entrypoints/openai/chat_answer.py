@@ -65,10 +65,15 @@ class ChatAnswerParser:
         self.tool_parser = tool_parser if tools.mode == "auto" else None
         self.reasoning = reasoning
 
-    def parse(self, text: str) -> ChatAnswer:
+    def parts(self, text: str) -> AnswerDelta:
+        """The parts of a whole answer, in order (what a stream of any cut gives)."""
         stream = self.stream()
         delta = stream.feed(text)
         delta.parts += stream.finish().parts
+        return delta
+
+    def parse(self, text: str) -> ChatAnswer:
+        delta = self.parts(text)
         answer = ChatAnswer(None, delta.reasoning or None)
         for call in delta.tool_calls:
             if call.name is not None:

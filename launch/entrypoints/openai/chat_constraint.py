@@ -1,14 +1,18 @@
 """What constrains a chat answer: the body's structured-output fields, its tool mode, or
 both; under a reasoning parser, only the answer after the reasoning.
 
-The rule when tools and an output schema (`response_format`, `structured_outputs`,
-`guided_*`) come together, as agent frameworks send them:
+The rule when tools and an output schema (`response_format`) come together, as agent
+frameworks send them:
 - `tool_choice` "auto" (with `--tool-call-parser`): one grammar with two branches, calls of
   the given tools in the parser's format or content matching the schema; so a constrained
   agent can still call its tools and still ends with schema-valid content.
 - "required" or a named function: the forced call; the schema is checked (a bad one is still
   a 400) and applies to later turns' content, when the client stops forcing a call.
 - "none": the schema holds the answer.
+vLLM's own fields (`structured_outputs`, `guided_*`) constrain the model's whole text as
+written, whatever the tool mode (under "auto" the parser then reads that text), so a client
+can pin a call's exact text; with "required" or a named function they are refused, as both
+would constrain the same text.
 """
 from __future__ import annotations
 
@@ -41,9 +45,13 @@ def chat_constraint(body: StructuredFields, tools: ToolChoice,
     response_format = constraint_of(body)
     forced = tools.schema()
     if forced is not None:
+        if response_format is not None and response_format.param != "response_format":
+            raise APIError(400, f"{response_format.param} and tool_choice {tools.mode!r} both "
+                           "constrain the answer's text; send one of them", "tool_choice")
         checks = (response_format,) if response_format else ()
         return ChatConstraint(_tools_constraint({"json": forced}), checks)
-    if tools.mode != "auto" or response_format is None or tool_parser is None:
+    if tools.mode != "auto" or response_format is None or tool_parser is None \
+            or response_format.param != "response_format":
         return ChatConstraint(response_format)
     try:
         calls = tool_parser.calls_grammar([(t.name, t.parameters) for t in tools.tools],

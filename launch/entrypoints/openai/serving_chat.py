@@ -14,7 +14,6 @@ from fastapi.responses import StreamingResponse
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.chat_answer import (
     AnswerDelta,
-    ChatAnswer,
     ChatAnswerParser,
     ChatParsers,
     finish_reason,
@@ -93,15 +92,15 @@ class OpenAIServingChat(OpenAIServing):
         self.check_budget([run.inputs])
         return run
 
-    async def answer(self, raw: Request, run: ChatRun, rid: str
-                     ) -> tuple[RequestOutput, list[ChatAnswer]]:
-        """The whole output and each sequence's parsed answer."""
+    async def answer(self, raw: Request, run: ChatRun, rid: str) -> RequestOutput:
+        """The whole output (`run.answers` splits each sequence's text)."""
         streams = self.submit(rid, [run.inputs], RequestOutputKind.FINAL_ONLY)
         (out,) = await until_disconnected(raw, self.collect(streams))
-        return out, [run.answers.parse(seq.text) for seq in out.outputs]
+        return out
 
     async def answer_deltas(self, run: ChatRun, rid: str
-                            ) -> AsyncIterator[tuple[CompletionOutput, AnswerDelta]]:
+                            ) -> AsyncIterator[tuple[RequestOutput, CompletionOutput,
+                                                     AnswerDelta]]:
         """Each sequence's new output and its parsed parts, as they come (submitted on the
         first step; aborted when the consumer stops early)."""
         streams: list[RequestStream] = []
@@ -113,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
                     delta = parts[seq.index].feed(seq.text)
                     if seq.finish_reason is not None:
                         delta.parts += parts[seq.index].finish().parts
-                    yield seq, delta
+                    yield out, seq, delta
         finally:
             self.abort(streams)
 
@@ -123,13 +122,13 @@ class OpenAIServingChat(OpenAIServing):
         rid = request_id("chatcmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is
             return StreamingResponse(self._stream(rid, run), media_type="text/event-stream")
-        out, answers = await self.answer(raw, run, rid)
-        return await self.respond([run.inputs], lambda: self._response(rid, body, out, answers))
+        out = await self.answer(raw, run, rid)
+        return await self.respond([run.inputs], lambda: self._response(rid, run, out))
 
-    def _response(self, rid: str, body: ChatCompletionRequest, out: RequestOutput,
-                  answers: list[ChatAnswer]) -> dict[str, Any]:
-        choices = []
-        for seq, answer in zip(out.outputs, answers):
+    def _response(self, rid: str, run: ChatRun, out: RequestOutput) -> dict[str, Any]:
+        body, choices = run.body, []
+        for seq in out.outputs:
+            answer = run.answers.parse(seq.text)
             choices.append({
                 "index": seq.index, "message": answer.message(),
                 "logprobs": chat_logprobs(seq, body.top_logprobs or 0) if body.logprobs else None,
@@ -159,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             for index in range(run.inputs.params.n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
-            async for seq, answer in self.answer_deltas(run, rid):
+            async for _, seq, answer in self.answer_deltas(run, rid):
                 generated += len(seq.token_ids)
                 delta = delta_fields(answer)
                 called[seq.index] = called[seq.index] or "tool_calls" in delta
