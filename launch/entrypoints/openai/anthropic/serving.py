@@ -124,7 +124,9 @@ def _stop(seq: CompletionOutput, items: list[OutputItem]) -> tuple[str, str | No
 
 
 def _usage(prompt: int, output: int, cached: int) -> dict[str, int]:
-    return {"input_tokens": prompt, "output_tokens": output,
+    """Anthropic's count: `input_tokens` are the prompt tokens not read from the cache
+    (the prefix cache's hits are `cache_read_input_tokens`)."""
+    return {"input_tokens": prompt - cached, "output_tokens": output,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
