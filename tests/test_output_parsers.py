@@ -4,7 +4,6 @@ whole-text result, and the streamed parts under many random cuts adding up to ex
 result, in the same order; a call's arguments stream as written once its name is known."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest

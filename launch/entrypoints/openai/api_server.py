@@ -99,7 +99,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     chat = OpenAIServingChat(engine, names, inputs, chat_template, chat_parsers)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/chat/completions")(chat.create)
-    _responses_routes(app, OpenAIServingResponses(chat, responses_store or ResponseStore()))
+    store = ResponseStore() if responses_store is None else responses_store
+    _responses_routes(app, OpenAIServingResponses(chat, store))
     add_messages_routes(app, AnthropicServingMessages(chat))
     _info_routes(app, engine, names, metrics)
     _tokenizer_routes(app, engine, chat)

@@ -48,7 +48,10 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
 
 
 def usage_json(prompt: int, output: int, cached: int, reasoning: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    """`cached_tokens` are the prefix cache's hits; nothing is written to a cache a client
+    asks for (prefix caching is implicit), so `cache_write_tokens` is 0."""
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output}
 

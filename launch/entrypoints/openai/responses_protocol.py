@@ -26,7 +26,7 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system",
           "developer": "system"}
 # vLLM's sampling extras the route passes on, as SamplingParams names them.
 _EXTRAS = ("top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty",
-           "frequency_penalty")
+           "frequency_penalty", "structured_outputs")
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -56,6 +56,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
+    structured_outputs: Any = None  # vLLM's: constrains the model's whole text as written
 
 
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
