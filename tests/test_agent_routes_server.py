@@ -131,7 +131,7 @@ def test_responses_refusals_name_the_field(client):
             ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
                 "type": "string", "pattern": "(?<=a)b"}}}}, "text"),
             ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
-                         "arguments": "[" * 100_000 + "]" * 100_000}]}, "messages")]:
+                         "arguments": "[" * 100_000 + "]" * 100_000}]}, "input")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**{"model": "tiny", "input": "x", **kwargs})
         assert e.value.body["param"] == param, e.value.body

@@ -153,3 +153,14 @@ def test_reasoning_tokens_count_up_to_the_end_of_the_reasoning(tmp_path):
     assert reasoning_tokens(tokenizer, thought + answer, text, True, "</think>") == len(thought)
     assert reasoning_tokens(tokenizer, thought[:3], "<thi", True, "</think>") == 3
     assert reasoning_tokens(tokenizer, answer, " yes", False, "</think>") == 0
+
+
+def test_tool_input_of_any_arguments_is_an_object():
+    """Anthropic's `input` from a call's arguments as written: whole, cut, or nested past any
+    recursion limit, never an error."""
+    from launch.entrypoints.openai.anthropic.serving import tool_input
+    deep = "[" * 100_000 + "]" * 100_000
+    assert tool_input('{"city": "Paris"}') == {"city": "Paris"}
+    assert tool_input('{"n": 1, "city": "Pa') == {"n": 1}  # as the SDK parses partial JSON
+    assert tool_input('{"a": ' + deep + "}") == {}
+    assert tool_input("[1]") == {} and tool_input("") == {}

@@ -78,19 +78,21 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
 
-        def prepare() -> ChatRun:
+        answers: list[ChatAnswerParser] = []
+
+        def prepare() -> ProcessedInput:  # on the input thread: grammar checks, template
             plan = plan_chat(body, self.template, self.parsers,
                              self.engine.inputs.max_prompt_chars, self.check_constraint)
             params = sampling_params(
                 body, {"max_tokens": max_tokens},
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 structured_outputs=plan.constraint and plan.constraint.params)
-            inputs = self.process(plan.prompt, params, add_special_tokens=False,
-                                  constraint=plan.constraint)
-            return ChatRun(body, inputs, plan.answers)
-        run = await self.off_loop(prepare)
-        self.check_budget([run.inputs])
-        return run
+            answers.append(plan.answers)
+            return self.process(plan.prompt, params, add_special_tokens=False,
+                                constraint=plan.constraint)
+        inputs = await self.off_loop(prepare)  # returns the ProcessedInput, as off_loop expects
+        self.check_budget([inputs])
+        return ChatRun(body, inputs, answers[0])
 
     async def answer(self, raw: Request, run: ChatRun, rid: str) -> RequestOutput:
         """The whole output (`run.answers` splits each sequence's text)."""

@@ -42,7 +42,8 @@ from launch.outputs import CompletionOutput, RequestOutput
 
 # Chat-request fields as the Responses API names them, for error messages.
 _RENAMED = (("response_format.json_schema.schema", "text.format.schema"),
-            ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+            ("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
+            ("messages", "input"))
 
 
 class OpenAIServingResponses:
@@ -171,7 +172,8 @@ class OpenAIServingResponses:
 def _renamed(e: APIError) -> APIError:
     message, param = e.message, e.param
     for old, new in _RENAMED:
-        message = message.replace(old, new)
+        if old != "messages":  # messages[i] counts the instructions too: kept as it is
+            message = message.replace(old, new)
         param = new.split(".")[0] if param == old else param
     return APIError(e.status, message, param, e.code)
 
