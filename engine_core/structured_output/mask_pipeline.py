@@ -2,9 +2,9 @@
 token is accepted, on background threads, so a step takes the rows that are ready and never
 waits for one it cannot afford.
 
-Two lanes: `fast` (one thread per core the engine core may use, at the step loop's priority:
-masks are filled in parallel) and `slow` (half the cores, niced), for requests whose last
-mask took more than SLOW_MASK_S. A request's first mask comes with its compiled grammar, so
+Two lanes, each with a thread per core the engine core may use (masks are filled in
+parallel): `fast`, at the step loop's priority, and `slow`, niced, for requests whose last mask
+took more than SLOW_MASK_S (their work yields the cores to the steps of the others). A request's first mask comes with its compiled grammar, so
 even its first step is routed by what that mask cost.
 """
 from __future__ import annotations
@@ -26,8 +26,9 @@ class MaskPipeline:
     def __init__(self, num_words: Callable[[], int], wake: Callable[[Job], None]) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-        self.lanes = WorkLanes({"fast": (min(4, cores), 0),
-                                "slow": (max(1, cores // 2), SLOW_NICE)}, "deltaserve-masks")
+        threads = min(4, cores)
+        self.lanes = WorkLanes({"fast": (threads, 0), "slow": (threads, SLOW_NICE)},
+                               "deltaserve-masks")
         self._num_words = num_words
         self._wake = wake
 
