@@ -137,12 +137,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 self.distributed_executor_backend == "mp":
             raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
                              "network must prove they belong to this engine")
-        for name in ("startup_timeout_s", "step_timeout_s",
-                     "structured_outputs_compile_timeout_s",
-                     "structured_outputs_validation_timeout_s", "structured_outputs_max_items_in_row",
-                     "structured_outputs_max_items_per_step", "structured_outputs_lexer_fuel",
-                     "structured_outputs_step_lexer_fuel", "structured_outputs_max_lexer_states",
-                     "structured_outputs_max_grammar_size"):
+        positive = [name for name in self.__struct_fields__ if name.startswith(
+            "structured_outputs_") and not name.endswith("_wait_ms")]
+        for name in ("startup_timeout_s", "step_timeout_s", *positive):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.structured_outputs_mask_wait_ms <= 10_000:

@@ -16,8 +16,8 @@ from engine_core import CacheConfig, Request, RequestStatus, Scheduler, Schedule
 from engine_core.structured_output.bitmask_builder import BitmaskBuilder
 from engine_core.structured_output.grammar import check_grammar
 from engine_core.structured_output.grammar_compiler import GrammarCompiler
-from engine_core.structured_output.structured_output_manager import StructuredOutputManager
 from engine_core.structured_output.mask_row import fill_row
+from engine_core.structured_output.structured_output_manager import StructuredOutputManager
 from engine_core.structured_output.structured_output_request import StructuredOutputRequest
 from protocol import (
     AddRequest,

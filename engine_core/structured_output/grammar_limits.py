@@ -54,7 +54,7 @@ class GrammarLimits:
 _FLAGS = (("Current row has", "--structured-outputs-max-items-in-row"),
           ("too many expressions", "--structured-outputs-lexer-fuel"),
           ("fuel", "--structured-outputs-step-lexer-fuel"),
-          ("lexer states", "--structured-outputs-max-lexer-states"),
+          ("too many states", "--structured-outputs-max-lexer-states"),
           ("grammar size", "--structured-outputs-max-grammar-size"),
           ("too many items", "--structured-outputs-max-items-per-step"),
           ("max_items", "--structured-outputs-max-items-per-step"))
