@@ -193,18 +193,18 @@ class EngineCore:
         else can be scheduled). With a queue of one this is `step()`; with two (async
         scheduling) the workers run step N+1 while step N's answer is applied, except while
         a constrained request has a token in flight: its next mask depends on that token,
-        so step N is collected first."""
-        outputs: list[EngineCoreOutput] = []
+        so step N is collected first, and this call ends there (the loop then polls grammar
+        work: the masks it started are ready, or late, before the next step is scheduled)."""
         if self.batch_queue and self.structured_output.waits_for_tokens():
-            outputs = self._collect_oldest()
+            return self._collect_oldest()
         if self.scheduler.has_runnable_requests() and len(self.batch_queue) < \
                 self.batch_queue_size:
             scheduler_output = self.schedule()
             self.executor.submit(scheduler_output)  # type: ignore[attr-defined]
             self.batch_queue.append(scheduler_output)
             if len(self.batch_queue) < self.batch_queue_size:
-                return outputs
-        return outputs + (self._collect_oldest() if self.batch_queue else [])
+                return []
+        return self._collect_oldest() if self.batch_queue else []
 
     def finish_in_flight(self) -> list[EngineCoreOutput]:
         """Collect every step in flight (before shutting down, so each sent step has its

@@ -56,8 +56,10 @@ class GrammarValidator:
         self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
         self.limits = limits or GrammarLimits()
         self.timeout_s = timeout_s
+        # A check that ran half its deadline hands its lane on (looked at whenever a request
+        # joins or gives up): the requests queued behind it still have a chance.
         self.lanes = WorkLanes({"small": (1, COMPILE_NICE), "big": (1, COMPILE_NICE)},
-                               "deltaserve-validate", overdue_s=timeout_s, max_overdue=2)
+                               "deltaserve-validate", overdue_s=timeout_s / 2, max_overdue=2)
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[Key, str] = OrderedDict()  # "" valid, else the reason
         self._checks: dict[Key, _Check] = {}
@@ -144,6 +146,7 @@ class GrammarValidator:
         complex (and cached as such once it ends, see _done)."""
         started = check.job is not None and check.job.started is not None
         self._leave(params, check)
+        self.lanes.check_overdue()
         if check.reason is not None:  # decided at the last moment
             return
         if not started:
