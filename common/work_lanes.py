@@ -52,8 +52,9 @@ class Job:
 
 
 class _Lane:
-    def __init__(self, name: str, threads: int, nice: int) -> None:
+    def __init__(self, name: str, threads: int, nice: int, lock: threading.Lock) -> None:
         self.name, self.threads, self.nice = name, threads, nice
+        self.work = threading.Condition(lock)  # its threads wait here for jobs
         self.queue: deque[Job] = deque()
         self.running: dict[int, tuple[Job, int]] = {}  # worker id -> (job, native thread id)
         self.workers: set[int] = set()  # worker ids serving this lane (not retired)
@@ -65,10 +66,12 @@ class WorkLanes:
 
     def __init__(self, lanes: dict[str, tuple[int, int]], name: str,
                  overdue_s: float | None = None, max_overdue: int = 2) -> None:
-        self._lanes = {lane: _Lane(lane, n, nice) for lane, (n, nice) in lanes.items()}
+        self._lock = threading.Lock()
+        self._lanes = {lane: _Lane(lane, n, nice, self._lock)
+                       for lane, (n, nice) in lanes.items()}
         self._name = name
         self.overdue_s, self.max_overdue = overdue_s, max_overdue
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(self._lock)  # waiters wait here for jobs to end
         self._next_worker = 0
         self._retired: set[int] = set()  # worker ids whose job overstayed
         self._closed = False
@@ -84,7 +87,7 @@ class WorkLanes:
             state.queue.append(job)
             if len(state.workers) < state.threads:
                 self._start_worker(state)
-            self._cond.notify_all()
+            state.work.notify()
         return job
 
     def queued(self, lane: str) -> int:
@@ -106,9 +109,12 @@ class WorkLanes:
     def wait(self, jobs: list[Job], deadline: float | None = None) -> bool:
         """Wait until every job is done (or cancelled) or time.monotonic() passes
         `deadline` (None: no deadline); True if all are."""
+        i = 0  # jobs[:i] have ended (jobs end roughly in order: one pass in all)
         with self._cond:
             while True:
-                if all(job.done or job.cancelled for job in jobs):
+                while i < len(jobs) and (jobs[i].done or jobs[i].cancelled):
+                    i += 1
+                if i == len(jobs):
                     return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -145,6 +151,7 @@ class WorkLanes:
                 for job in state.queue:
                     job.cancelled = True
                 state.queue.clear()
+                state.work.notify_all()
             self._cond.notify_all()
 
     def _start_worker(self, state: _Lane) -> None:
@@ -160,7 +167,7 @@ class WorkLanes:
         while True:
             with self._cond:
                 while not state.queue and not self._closed and worker in state.workers:
-                    self._cond.wait()
+                    state.work.wait()
                 if self._closed or worker not in state.workers:
                     state.workers.discard(worker)
                     return
