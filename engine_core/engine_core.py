@@ -7,6 +7,7 @@ from typing import Protocol
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request, RequestStatus
 from engine_core.sched.scheduler import Scheduler
+from engine_core.structured_output.grammar_limits import GrammarLimits
 from engine_core.structured_output.structured_output_manager import StructuredOutputManager
 from protocol.engine_config import EngineConfig
 from protocol.engine_messages import (
@@ -71,7 +72,8 @@ class EngineCore:
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
             vocab_size)
         structured_output = StructuredOutputManager(
-            config.model, vocab_size, config.structured_outputs_compile_timeout_s)
+            config.model, vocab_size, config.structured_outputs_compile_timeout_s,
+            GrammarLimits.of(config), config.structured_outputs_mask_wait_ms / 1000)
         return EngineCore(scheduler, executor, config.max_logprobs, structured_output)
 
     def record_kv_events(self) -> None:
@@ -102,10 +104,12 @@ class EngineCore:
         return self.scheduler.finish_requests(message.request_ids)
 
     def apply_grammars(self, message: GrammarsCompiled) -> list[EngineCoreOutput]:
-        """Ready grammars let their requests be scheduled; failed ones finish them."""
+        """Ready grammars let their requests be scheduled; failed ones (at compile time or
+        computing a mask) finish them; a late mask holds its request until it caught up."""
         outputs: list[EngineCoreOutput] = []
+        requests, scheduler = self.scheduler.requests, self.scheduler
         for request_id in message.ready:
-            request = self.scheduler.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 continue
             try:
@@ -113,14 +117,24 @@ class EngineCore:
             except ValueError as e:
                 outputs += self.fail_requests([request_id], str(e))
                 continue
-            self.scheduler.unblock_request(request)
+            scheduler.unblock_request(request)
         for failure in message.failed:
-            self.structured_output.discard(failure.request_id)
             outputs += self.fail_requests([failure.request_id], failure.message)
+        for request_id in message.late:
+            if request_id in requests:
+                scheduler.hold(requests[request_id])
+        for request_id in message.caught_up:
+            if request_id in requests:
+                scheduler.release(requests[request_id])
         return outputs
 
     def fail_requests(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
-        """Finish unfinished requests with finish reason "error" and `error` as the reason."""
+        """Finish unfinished requests with finish reason "error" and `error` as the reason
+        (a constrained one's grammar is then cached as failed with it)."""
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.structured_output.fail(request, error)
         outputs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
         for out in outputs:
             out.error = error
@@ -143,7 +157,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Requests that can run, or steps in flight (requests waiting for their grammars
-        are no work until `GrammarsCompiled` says so). Handles that finished since the last
+        or masks are no work until `GrammarsCompiled` says so). Handles that finished since the last
         step are announced in the next real step, never in an empty one whose timing would
         depend on the clock."""
         return self.scheduler.has_runnable_requests() or bool(self.batch_queue)
@@ -161,9 +175,8 @@ class EngineCore:
         """Apply a step's answer: tokens, stops, and the constrained requests' matchers."""
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         refused = self.structured_output.accept_tokens(scheduler_output, model_runner_output)
-        if refused:
-            outputs += self.fail_requests([r.request_id for r in refused],
-                                          "the grammar refused a sampled token")
+        for request, error in refused:
+            outputs += self.fail_requests([request.request_id], error)
         return outputs
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -180,18 +193,18 @@ class EngineCore:
         else can be scheduled). With a queue of one this is `step()`; with two (async
         scheduling) the workers run step N+1 while step N's answer is applied, except while
         a constrained request has a token in flight: its next mask depends on that token,
-        so step N is collected first."""
-        outputs: list[EngineCoreOutput] = []
+        so step N is collected first, and this call ends there (the loop then polls grammar
+        work: the masks it started are ready, or late, before the next step is scheduled)."""
         if self.batch_queue and self.structured_output.waits_for_tokens():
-            outputs = self._collect_oldest()
+            return self._collect_oldest()
         if self.scheduler.has_runnable_requests() and len(self.batch_queue) < \
                 self.batch_queue_size:
             scheduler_output = self.schedule()
             self.executor.submit(scheduler_output)  # type: ignore[attr-defined]
             self.batch_queue.append(scheduler_output)
             if len(self.batch_queue) < self.batch_queue_size:
-                return outputs
-        return outputs + (self._collect_oldest() if self.batch_queue else [])
+                return []
+        return self._collect_oldest() if self.batch_queue else []
 
     def finish_in_flight(self) -> list[EngineCoreOutput]:
         """Collect every step in flight (before shutting down, so each sent step has its

@@ -149,7 +149,10 @@ class EngineCoreProc:
                 events = engine.take_kv_events()
                 if events:
                     self.kv_events.publish(events)
-            if outputs or (busy and time.monotonic() - self.last_sent > HEARTBEAT_S):
+            # Requests waiting for grammar work are not `busy` but still pending: the front-end
+            # hears from us while any request is unfinished.
+            if outputs or (engine.scheduler.has_unfinished_requests()
+                           and time.monotonic() - self.last_sent > HEARTBEAT_S):
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
 

@@ -51,7 +51,7 @@ class Request:
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
                  "length_end", "scheduled_time", "block_hash_extra_keys", "spec_token_ids",
-                 "spec_state", "min_tokens", "structured_output")
+                 "spec_state", "min_tokens", "structured_output", "mask_late")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -97,6 +97,9 @@ class Request:
         # Its grammar state (a StructuredOutputRequest) once its grammar is ready; None while
         # it waits for it, and always for an unconstrained request.
         self.structured_output: Any = None
+        # Its next mask was not ready when a step was scheduled: it sits out the steps until
+        # the engine says it caught up (Scheduler.hold/release).
+        self.mask_late = False
 
     @property
     def num_tokens(self) -> int:

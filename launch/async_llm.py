@@ -66,12 +66,30 @@ class AsyncLLM:
     # --- requests -------------------------------------------------------------------------
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams | None,
-                       add_special_tokens: bool = True) -> ProcessedInput:
+                       add_special_tokens: bool = True, check_constraint: bool = True
+                       ) -> ProcessedInput:
         """Tokenize and validate; ValueError naming the field for anything the engine would
         refuse (the checks and messages of `LLM.generate`). A rendered chat prompt already
-        holds its special tokens: `add_special_tokens=False`."""
+        holds its special tokens: `add_special_tokens=False`. With `check_constraint=False`
+        a constraint not checked before is left `unchecked`, for `check_constraint`."""
         text, ids = self.inputs.tokenize(prompt, add_special_tokens)
-        return ProcessedInput(text, ids, self.inputs.resolve(ids, params or SamplingParams()))
+        resolved = self.inputs.resolve(ids, params or SamplingParams(), check_constraint)
+        constraint = resolved.structured_outputs
+        unchecked = (constraint if not check_constraint and constraint is not None
+                     and not self.inputs.constraint_known(constraint) else None)
+        return ProcessedInput(text, ids, resolved, unchecked)
+
+    async def check_constraint(self, inputs: ProcessedInput) -> None:
+        """Check an `unchecked` constraint without blocking the event loop (the grammar
+        engine works on its own threads): StructuredOutputsError if it is refused,
+        GrammarBusyError if it could not be checked in time."""
+        constraint = inputs.unchecked
+        if constraint is None:
+            return
+        if self.inputs.grammars is None:
+            await asyncio.to_thread(self.inputs.check_constraint, constraint)
+        else:
+            await self.inputs.grammars.check_async(constraint)
 
     def add_request(self, request_id: str, inputs: ProcessedInput, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -98,8 +116,9 @@ class AsyncLLM:
         """Yield the request's outputs as tokens arrive; the last has `finished` set. A
         consumer that stops early (or is cancelled) aborts the request in the engine."""
         request_id = request_id if request_id is not None else f"async-{id(object())}"
-        stream = self.add_request(request_id, self.process_inputs(prompt, sampling_params),
-                                  priority, output_kind)
+        inputs = self.process_inputs(prompt, sampling_params, check_constraint=False)
+        await self.check_constraint(inputs)
+        stream = self.add_request(request_id, inputs, priority, output_kind)
         try:
             async for out in stream:
                 yield out

@@ -91,8 +91,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
     structured_outputs_compile_timeout_s: Annotated[float, _opt(
-        "a structured-output grammar that has not compiled after this long fails its "
-        "request")] = 10.0
+        "a request whose structured-output grammar has not compiled this long after it "
+        "reached the engine fails (finish reason error)")] = 10.0
+    structured_outputs_validation_timeout_s: Annotated[float, _opt(
+        "the front-end's deadline for checking a request's constraint: still queued then, "
+        "the request is refused as busy (503); still running, as too complex (400)")] = 5.0
+    structured_outputs_mask_wait_ms: Annotated[float, _opt(
+        "how long a step waits for the masks of constrained requests that sampled in the "
+        "step before; a request whose mask is later sits out steps until it is ready")] = 50.0
+    structured_outputs_max_items_in_row: Annotated[int, _opt(
+        "grammar limit: Earley items one grammar row may hold (a rule's alternatives)")] = 2000
+    structured_outputs_max_items_per_step: Annotated[int, _opt(
+        "grammar limit: Earley items computing one token's mask may create")] = 50_000
+    structured_outputs_lexer_fuel: Annotated[int, _opt(
+        "grammar limit: work building a grammar's lexer (its regexes; ~50 per us)")] = 1_000_000
+    structured_outputs_step_lexer_fuel: Annotated[int, _opt(
+        "grammar limit: lexer work computing one token's mask (~14 per us)")] = 200_000
+    structured_outputs_max_lexer_states: Annotated[int, _opt(
+        "grammar limit: lexer states one grammar may build (1-2 kB each)")] = 250_000
+    structured_outputs_max_grammar_size: Annotated[int, _opt(
+        "grammar limit: symbols in a grammar's productions")] = 500_000
 
     def __post_init__(self) -> None:
         for field in msgspec.structs.fields(self):
@@ -119,10 +137,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 self.distributed_executor_backend == "mp":
             raise ValueError("a tcp worker_address needs worker_secret_file: workers on the "
                              "network must prove they belong to this engine")
-        for name in ("startup_timeout_s", "step_timeout_s",
-                     "structured_outputs_compile_timeout_s"):
+        positive = [name for name in self.__struct_fields__ if name.startswith(
+            "structured_outputs_") and not name.endswith("_wait_ms")]
+        for name in ("startup_timeout_s", "step_timeout_s", *positive):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.structured_outputs_mask_wait_ms <= 10_000:
+            raise ValueError(f"structured_outputs_mask_wait_ms must be in [0, 10000], got "
+                             f"{self.structured_outputs_mask_wait_ms}")
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config does not work with async_scheduling: a "
                              "step's proposals follow from the tokens the step before it "

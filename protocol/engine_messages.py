@@ -44,13 +44,19 @@ class GrammarError(WireStruct):
 
 
 class GrammarsCompiled(WireStruct, tag=14):
-    """The engine core's own input, never the front-end's: the grammars of these waiting
-    requests finished compiling (`ready`) or failed (`failed`, each request's error). Compile
-    times vary from run to run, so the engine core records this at the step it notices it and
-    applies it then; a scheduler-only replay applies it at the same step."""
+    """The engine core's own input, never the front-end's: what its grammar work did. The
+    grammars of these waiting requests finished compiling (`ready`); these requests failed
+    (`failed`, each one's error: its grammar did not compile in time or at all, or the
+    grammar engine could not compute its next mask); these running requests' next masks were
+    not ready when the step was scheduled (`late`: they sit out steps) and these are now
+    (`caught_up`). Grammar work takes varying time, so the engine core records this at the
+    step it notices it and applies it then; a scheduler-only replay applies it at the same
+    step."""
 
     ready: list[str] = []
     failed: list[GrammarError] = []
+    late: list[str] = []
+    caught_up: list[str] = []
 
 
 # --- engine core -> front-end -------------------------------------------------------------

@@ -16,6 +16,7 @@ from engine_core import CacheConfig, Request, RequestStatus, Scheduler, Schedule
 from engine_core.structured_output.bitmask_builder import BitmaskBuilder
 from engine_core.structured_output.grammar import check_grammar
 from engine_core.structured_output.grammar_compiler import GrammarCompiler
+from engine_core.structured_output.mask_row import fill_row
 from engine_core.structured_output.structured_output_manager import StructuredOutputManager
 from engine_core.structured_output.structured_output_request import StructuredOutputRequest
 from protocol import (
@@ -173,6 +174,12 @@ def _request(params: SamplingParams, outputs: int = 0) -> Request:
     return request
 
 
+def _state(m, vocab: int) -> StructuredOutputRequest:
+    """A request's grammar state with its next row computed, as MaskPipeline leaves it."""
+    return StructuredOutputRequest(m, ("regex", "", False, None), "regex",
+                                   fill_row(m, (vocab + 31) // 32))
+
+
 def _allowed(bitmask: GrammarBitmask, vocab: int) -> np.ndarray:
     words = np.frombuffer(bitmask.bitmask, "<i4").reshape(len(bitmask.req_ids), -1)
     return ~unpack_disallowed(words, vocab)
@@ -188,7 +195,7 @@ def test_stop_tokens_are_allowed_exactly_when_the_grammar_accepts(compiler):
     for text, accepting in (("", False), ("a", False), ("b", True), ("b", True)):
         if text:
             assert m.consume_token(tokenizer.tokenize_str(text)[0])
-        row = _allowed(builder.build([(request, StructuredOutputRequest(m), [])], 8), vocab)[0]
+        row = _allowed(builder.build([(request, _state(m, vocab), [])], 8), vocab)[0]
         assert row[EOS] == row[stop] == accepting, text
         assert row.any()
 
@@ -200,13 +207,13 @@ def test_min_tokens_holds_stops_back_until_the_grammar_can_only_end(compiler):
     m = matcher(compiler, params.structured_outputs)
     assert m.consume_token(compiler.tokenizer(EOS).tokenize_str("a")[0])
     builder = BitmaskBuilder(vocab)
-    row = _allowed(builder.build([(request, StructuredOutputRequest(m), [])], 8), vocab)[0]
+    row = _allowed(builder.build([(request, _state(m, vocab), [])], 8), vocab)[0]
     assert m.is_accepting() and not row[EOS] and row.any()  # more "a" is possible: held back
     done = SamplingParams(min_tokens=5, structured_outputs=S(choice=["a"]))
     request = _request(done, outputs=1)
     m = matcher(compiler, done.structured_outputs)
     assert m.consume_token(compiler.tokenizer(EOS).tokenize_str("a")[0])
-    row = _allowed(builder.build([(request, StructuredOutputRequest(m), [])], 8), vocab)[0]
+    row = _allowed(builder.build([(request, _state(m, vocab), [])], 8), vocab)[0]
     assert row[EOS] and row.sum() == 1 and request.min_tokens == 0  # the grammar wins
 
 
@@ -215,7 +222,7 @@ def test_a_request_with_drafts_gets_the_mask_after_each_prefix_of_them(compiler)
     params = SamplingParams(structured_outputs=S(regex="ab+c"))
     request, m = _request(params), matcher(compiler, params.structured_outputs)
     a, b, c = (compiler.tokenizer(EOS).tokenize_str(t)[0] for t in "abc")
-    built = BitmaskBuilder(vocab).build([(request, StructuredOutputRequest(m), [a, b, a])], 8)
+    built = BitmaskBuilder(vocab).build([(request, _state(m, vocab), [a, b, a])], 8)
     assert list(built.req_ids) == [3] * 4
     rows = _allowed(built, vocab)
     expected = []
@@ -223,7 +230,7 @@ def test_a_request_with_drafts_gets_the_mask_after_each_prefix_of_them(compiler)
         if token is not None:
             assert m.consume_token(token)
         expected.append(_allowed(BitmaskBuilder(vocab).build(
-            [(request, StructuredOutputRequest(m), [])], 8), vocab)[0])
+            [(request, _state(m, vocab), [])], 8), vocab)[0])
     # Past the refused draft (the second "a") the last row repeats: nothing there is verified.
     assert (rows == np.stack(expected + expected[-1:])).all()
     assert rows[2][b] and rows[2][c] and not rows[2][a]

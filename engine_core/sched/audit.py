@@ -25,6 +25,7 @@ class AuditedScheduler(Protocol):
     kv_cache_manager: KVCacheManager
     _handles_of_running: np.ndarray | None
     num_blocked: int
+    num_held: int
 
 
 def audit_scheduler(scheduler: AuditedScheduler) -> None:
@@ -39,6 +40,8 @@ def audit_scheduler(scheduler: AuditedScheduler) -> None:
     if sum(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in queued) != \
             scheduler.num_blocked:
         raise IntegrityError("the count of requests waiting for grammars is stale")
+    if sum(r.mask_late for r in running + queued) != scheduler.num_held:
+        raise IntegrityError("the count of requests waiting for masks is stale")
     if any(r.num_computed_tokens > r.num_tokens + r.num_output_placeholders for r in running):
         raise IntegrityError("a request computed more tokens than it has")
     cached = scheduler._handles_of_running

@@ -23,12 +23,13 @@ class RequestTable:
       slot_end      tokens its KV blocks hold (`KVCacheManager.num_slots`)
       publish_end   computed length at which it fills a block not yet in the prefix cache
                     (`KVCacheManager.publish_end`; never when caching is off)
+      held          mirrors `Request.mask_late` (1: it takes no tokens until released)
     Every change to one of these facts writes its column in the same scheduler step;
     `check` compares the columns with the objects.
     """
 
     COLUMNS = ("num_computed", "num_tokens", "placeholders", "num_spec", "length_end",
-               "slot_end", "publish_end")
+               "slot_end", "publish_end", "held")
 
     def __init__(self, rows: int = 64, speculative: bool = False) -> None:
         self.speculative = speculative  # num_spec may be non-zero (else it is never read)
@@ -39,6 +40,8 @@ class RequestTable:
         self.length_end = np.zeros(rows, np.int64)
         self.slot_end = np.zeros(rows, np.int64)
         self.publish_end = np.zeros(rows, np.int64)
+        self.held = np.zeros(rows, np.int64)
+        self.any_held = 0  # requests held: the pass reads the column only when some are
 
     # --- rare paths: one request at a time --------------------------------------------------
 
@@ -52,6 +55,7 @@ class RequestTable:
         self.placeholders[h] = request.num_output_placeholders
         self.num_spec[h] = len(request.spec_token_ids)
         self.length_end[h] = request.length_end
+        self.held[h] = request.mask_late
         self.sync_blocks(request, kv)
 
     def sync_blocks(self, request: Request, kv: KVCacheManager) -> None:
@@ -78,7 +82,8 @@ class RequestTable:
         A request is behind by `num_tokens + placeholders + num_spec - num_computed` tokens,
         capped by the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions
         stay below max_model_len) and by what the requests before it left of the budget; it
-        takes none if the tokens in flight already end it by length. Its KV slots must reach
+        takes none if the tokens in flight already end it by length, or while it is held.
+        Its KV slots must reach
         `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
@@ -89,6 +94,8 @@ class RequestTable:
             np.minimum(n, long_prefill_token_threshold, out=n)
         np.minimum(n, max_model_len - 1 - computed, out=n)
         n[(pending > 0) & (tokens + pending >= self.length_end[handles])] = 0
+        if self.any_held:
+            n[self.held[handles] > 0] = 0
         np.maximum(n, 0, out=n)
         # Request i gets what is left after requests 0..i-1 took theirs.
         left = np.maximum(budget - (np.cumsum(n) - n), 0)
@@ -130,7 +137,7 @@ class RequestTable:
             expected = (request.num_computed_tokens, request.num_tokens,
                         request.num_output_placeholders, len(request.spec_token_ids),
                         request.length_end, kv.num_slots(request.request_id),
-                        _NEVER if publish_end is None else publish_end)
+                        _NEVER if publish_end is None else publish_end, int(request.mask_late))
             found = tuple(getattr(self, name)[h] for name in self.COLUMNS)
             if tuple(int(x) for x in found) != expected:
                 bad.append(f"{request.request_id}: {found} != {expected}")

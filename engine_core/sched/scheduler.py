@@ -69,6 +69,7 @@ class Scheduler:
                                           self.requests_by_handle)
         self.num_lookahead_tokens = self.speculator.num_lookahead_tokens
         self.num_blocked = 0  # waiting requests whose grammars are not ready
+        self.num_held = 0  # requests (running or preempted) whose next mask is not ready
 
     # --- requests in and out ---------------------------------------------------------------
 
@@ -90,6 +91,25 @@ class Scheduler:
         if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
             request.status = RequestStatus.WAITING
             self.num_blocked -= 1
+
+    def hold(self, request: Request) -> None:
+        """The request's next mask is not ready: it takes no tokens (and is not resumed
+        after a preemption) until `release`."""
+        if not request.mask_late and not request.is_finished():
+            request.mask_late = True
+            self._set_held(request, 1)
+
+    def release(self, request: Request) -> None:
+        """A held request's mask is ready: it is scheduled again, in its place."""
+        if request.mask_late:
+            request.mask_late = False
+            self._set_held(request, -1)
+
+    def _set_held(self, request: Request, change: int) -> None:
+        self.num_held += change
+        self.table.any_held += change
+        if request.req_id >= 0:
+            self.table.held[request.req_id] = change > 0
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -119,8 +139,8 @@ class Scheduler:
         return bool(self.running) or len(self.waiting) > 0
 
     def has_runnable_requests(self) -> bool:
-        """Unfinished requests other than those waiting for their grammars."""
-        return bool(self.running) or len(self.waiting) > self.num_blocked
+        """Unfinished requests other than those waiting for their grammars or masks."""
+        return len(self.running) + len(self.waiting) > self.num_blocked + self.num_held
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -223,7 +243,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in the queue's order; those waiting for their grammars
-        are passed over and keep their places."""
+        or masks are passed over and keep their places."""
         skipped: list[Request] = []
         try:
             self._admit_waiting(plan, skipped)
@@ -236,7 +256,7 @@ class Scheduler:
         while (len(self.waiting) and plan.budget > 0
                and len(self.running) < self.scheduler_config.max_num_seqs):
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or request.mask_late:
                 skipped.append(self.waiting.pop())
                 continue
             if plan.new and plan.new_prompt_tokens + request.num_tokens > MAX_NEW_PROMPT_TOKENS:
@@ -361,6 +381,7 @@ class Scheduler:
         self._handles_of_running = None
 
     def _free_request(self, request: Request) -> None:
+        self.release(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         if request.req_id >= 0:

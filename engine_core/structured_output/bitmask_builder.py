@@ -10,7 +10,6 @@ token, so no logits row is ever all -inf.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -26,28 +25,22 @@ class BitmaskBuilder:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
-        self._executor: Any = None  # llguidance's thread pool for filling rows in parallel
 
     def build(self, rows: list[tuple[Request, StructuredOutputRequest, list[int]]],
               handle_bound: int) -> GrammarBitmask:
         """Rows in the step's request order (a request with d drafts: d + 1 rows, the k-th
-        after its first k drafts); `handle_bound` exceeds every handle."""
-        import llguidance
-        import llguidance.numpy as ll_numpy
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(min(4, os.cpu_count() or 1))
+        after its first k drafts); `handle_bound` exceeds every handle. Each request's own
+        row is its `row`, computed ahead (MaskPipeline); draft rows are computed here."""
         starts = np.cumsum([0] + [len(drafts) + 1 for _, _, drafts in rows])
         mask = np.empty((int(starts[-1]), self.num_words), np.int32)
-        plain = [(state.matcher, int(start))
-                 for (_, state, drafts), start in zip(rows, starts) if not drafts]
-        if plain:
-            ll_numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
         words = mask.view(np.uint32)
         for (request, state, drafts), start in zip(rows, starts.tolist()):
             if drafts:
                 self._fill_drafts(words, mask, start, request, state.matcher, drafts)
             else:
-                self._fix_row(words[start], request, state.matcher, 0)
+                row = state.row
+                words[start] = row.words
+                self._fix_row(words[start], request, row.accepting, row.stopped, 0)
         if sys.byteorder != "little":
             mask = mask.byteswap()
         handles = [r.req_id for r, _, drafts in rows for _ in range(len(drafts) + 1)]
@@ -62,19 +55,22 @@ class BitmaskBuilder:
         valid = matcher.validate_tokens(drafts)  # consuming a refused token would break it
         for k in range(valid + 1):
             ll_numpy.fill_next_token_bitmask(matcher, mask, start + k)
-            self._fix_row(words[start + k], request, matcher, k)
+            self._fix_row(words[start + k], request, matcher.is_accepting(),
+                          matcher.is_stopped(), k)
             if k < valid and not matcher.consume_token(drafts[k]):
                 raise RuntimeError("the grammar refused a draft it had validated")
         mask[start + valid + 1:start + len(drafts) + 1] = mask[start + valid]
         matcher.rollback(valid)
 
-    def _fix_row(self, row: np.ndarray, request: Request, matcher: Any, ahead: int) -> None:
+    def _fix_row(self, row: np.ndarray, request: Request, accepting: bool, stopped: bool,
+                 ahead: int) -> None:
         """Stop tokens and min_tokens, as the module docstring says, for the position `ahead`
-        drafts past the request's known tokens (only known tokens waive min_tokens)."""
+        drafts past the request's known tokens (only known tokens waive min_tokens), given
+        whether the grammar accepts there and whether it allows nothing but its end."""
         stops = [t for t in request.stop_tokens if t < self.vocab_size]
-        _set_bits(row, stops, matcher.is_accepting())
+        _set_bits(row, stops, accepting)
         if request.num_output_tokens + ahead < request.min_tokens:
-            if matcher.is_stopped():
+            if stopped:
                 if not ahead:
                     request.min_tokens = 0
             else:

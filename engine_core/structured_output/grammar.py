@@ -22,6 +22,7 @@ from typing import Any
 
 from protocol.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
+MAX_REASON_CHARS = 400  # of llguidance's message in a refusal
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -101,7 +102,10 @@ def invalid_reason(kind: str, message: str) -> str:
     what = {"json": "a valid JSON schema", "json_object": "a valid JSON schema",
             "regex": "a valid regex", "choice": "a valid choice list",
             "grammar": "a valid grammar"}[kind]
-    return f"is not {what}: {message.strip()}"
+    message = message.replace("<non-verbose/>", "").strip()
+    if len(message) > MAX_REASON_CHARS:  # e.g. a list of every special token
+        message = message[:MAX_REASON_CHARS] + "..."
+    return f"is not {what}: {message}"
 
 
 def answer_lark(params: StructuredOutputsParams) -> str:

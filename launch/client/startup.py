@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from common.worker_auth import read_secret_file
+from engine_core.structured_output.grammar_validator import GrammarValidator
 from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
@@ -40,8 +41,10 @@ def start_engine(model: str, engine_args: dict[str, Any]
     except BaseException:
         engine.shutdown()
         raise
+    grammars = GrammarValidator.from_config(config, ready.vocab_size,
+                                            stop_token_ids[0] if stop_token_ids else None)
     return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
-                                  config.max_logprobs)
+                                  config.max_logprobs, grammars)
 
 
 def with_draft_model(config: EngineConfig) -> EngineConfig:

@@ -6,18 +6,20 @@ field, so a bad request fails alone and never reaches the engine: the prompt che
 core applies (`check_prompt`), `SamplingParams`' own validation re-run (a params object may
 have been changed after construction), the engine's caps, and finally a round trip through the
 wire codec, so that what is sent is exactly what the engine core will decode. A structured-
-output constraint is checked by the grammar engine the engine core compiles it with (cached
-by its key), so an invalid schema, regex or grammar is refused here too.
+output constraint is checked by the grammar engine the engine core compiles it with, with the
+model's tokenizer and the engine's limits (`GrammarValidator`: a bounded pool with a deadline,
+cached by key), so an invalid schema, regex or grammar is refused here too.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from engine_core.structured_output.grammar import check_grammar
+from engine_core.structured_output.grammar_validator import GrammarValidator
 from launch.processing.tokenizer import max_token_chars
 from protocol import (
     AddRequest,
@@ -26,6 +28,8 @@ from protocol import (
     EngineReady,
     ProtocolError,
     SamplingParams,
+    StructuredOutputsError,
+    StructuredOutputsParams,
     check_prompt,
 )
 
@@ -35,16 +39,21 @@ MAX_N = 128  # sequences per request, as OpenAI's API allows
 
 @dataclass(frozen=True)
 class ProcessedInput:
-    """A validated prompt and its resolved parameters: what `AsyncLLM.add_request` submits."""
+    """A validated prompt and its resolved parameters: what `AsyncLLM.add_request` submits.
+    `unchecked` is a constraint still to be checked (`GrammarValidator.check_async`) before
+    it may be submitted, `describe` how a refusal of it is reported (None: as it is)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    unchecked: StructuredOutputsParams | None = None
+    describe: Callable[[StructuredOutputsError], Exception] | None = None
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, stop_token_ids: list[int], ready: EngineReady,
-                 model: str, max_logprobs: int = 20) -> None:
+                 model: str, max_logprobs: int = 20,
+                 grammars: GrammarValidator | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids  # [EOS, other end-of-generation ids...]
         self.eos_token_id = stop_token_ids[0] if stop_token_ids else None
@@ -52,6 +61,8 @@ class InputProcessor:
         self.ready = ready
         self.model = model
         self.max_logprobs = max_logprobs
+        # Checks constraints (None: llguidance without a tokenizer, on the calling thread).
+        self.grammars = grammars
         self._codec = Codec(Channel.FRONTEND_TO_CORE)
         # A text longer than this cannot tokenize into max_model_len tokens (unless the
         # tokenizer's normalizer drops characters): it is refused before tokenizing.
@@ -85,15 +96,19 @@ class InputProcessor:
                              f"{e.start})") from None
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def resolve(self, token_ids: list[int], params: Any) -> SamplingParams:
-        """Check the prompt and parameters against the engine's limits; fill in defaults."""
+    def resolve(self, token_ids: list[int], params: Any, check_constraint: bool = True
+                ) -> SamplingParams:
+        """Check the prompt and parameters against the engine's limits; fill in defaults.
+        A constraint is checked too (waiting for the grammar engine, up to its deadline),
+        unless `check_constraint` is False (then see `constraint_known`)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(params).__name__}")
         params = msgspec.structs.replace(params)  # re-validates a possibly mutated object
         if params.structured_outputs is not None:  # likewise, then asks the grammar engine
             constraint = msgspec.structs.replace(params.structured_outputs)
-            check_grammar(constraint)
+            if check_constraint:
+                self.check_constraint(constraint)
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         ready = self.ready
         check_prompt(token_ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
@@ -110,6 +125,22 @@ class InputProcessor:
             have = params.stop_token_ids or []
             updates["stop_token_ids"] = have + [t for t in self.extra_stop_ids if t not in have]
         return msgspec.structs.replace(params, **updates) if updates else params
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Block until the grammar engine has checked `constraint`: StructuredOutputsError
+        if it is refused, GrammarBusyError if it could not be checked in time."""
+        if self.grammars is None:
+            check_grammar(constraint)
+        else:
+            self.grammars.check(constraint)
+
+    def constraint_known(self, constraint: StructuredOutputsParams) -> bool:
+        """True if `constraint` was checked before (raising if it was refused), so it needs
+        no more grammar work; False if it still needs a check."""
+        if self.grammars is None:
+            check_grammar(constraint)
+            return True
+        return self.grammars.verdict(constraint)
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, priority: Any = 0) -> AddRequest:

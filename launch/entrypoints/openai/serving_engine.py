@@ -4,11 +4,15 @@ disconnects.
 
 Work that grows with a request's size runs off the event loop, so one large request never
 stalls the other streams: tokenizing and chat-template rendering on one input thread (in
-arrival order), building and encoding a large response on the loop's default executor. What
-a request may cost is bounded before any of it starts (`check_budget`)."""
+arrival order), checking a constraint the grammar engine has not seen in its own bounded pool
+with a deadline (`GrammarValidator`: a constrained request never holds up the input thread,
+so a plain request never waits for grammar work), building and encoding a large response on
+the loop's default executor. What a request may cost is bounded before any of it starts
+(`check_budget`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,7 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request, Response
 
-from engine_core.structured_output.grammar import check_grammar
+from engine_core.structured_output.grammar_validator import GrammarBusyError
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.structured_outputs import Constraint
@@ -60,27 +64,59 @@ class OpenAIServing:
 
     def process(self, prompt: Any, params: Any, add_special_tokens: bool = True,
                 constraint: Constraint | None = None) -> ProcessedInput:
-        """Tokenize and validate (the constraint too: `constraint` says which body field it
-        came from, for the 400's wording)."""
+        """Tokenize and validate (`constraint` says which body field the constraint came
+        from, for the 400's wording). A constraint the grammar engine has not checked before
+        is left `unchecked`: `off_loop` checks it, off the input thread."""
+        def describe(e: StructuredOutputsError) -> APIError:
+            return constraint.describe(e) if constraint else APIError.bad_request(e)
         try:
-            return self.engine.process_inputs(prompt, params, add_special_tokens)
+            processed = self.engine.process_inputs(prompt, params, add_special_tokens,
+                                                   check_constraint=False)
         except StructuredOutputsError as e:
-            raise (constraint.describe(e) if constraint else APIError.bad_request(e)) from None
+            raise describe(e) from None
         except ValueError as e:
             raise APIError.bad_request(e) from None
+        return dataclasses.replace(processed, describe=describe) if processed.unchecked \
+            else processed
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Ask the grammar engine about one constraint on its own (a 400 naming its body
-        field), for a constraint that is only part of what the engine enforces. Grammar
-        work: call off the event loop."""
+        field), for a constraint that is only part of what the engine enforces. It waits
+        for the grammar engine's lanes, up to their deadline (then a 503): call off the
+        event loop."""
         try:
-            check_grammar(constraint.params)
+            self.engine.inputs.check_constraint(constraint.params)
         except StructuredOutputsError as e:
             raise constraint.describe(e) from None
+        except GrammarBusyError as e:
+            raise APIError(503, str(e), constraint.param) from None
 
     async def off_loop(self, work: Callable[[], T]) -> T:
-        """`work()` on the input thread (tokenizing, rendering: proportional to the input)."""
-        return await asyncio.get_running_loop().run_in_executor(self.input_executor, work)
+        """`work()` on the input thread (tokenizing, rendering: proportional to the input);
+        then, if it made ProcessedInputs (one or a list) with unchecked constraints, their
+        checks in the grammar engine's pool: a 400 for a refusal, a 503 when the server could
+        not check one in time."""
+        result = await asyncio.get_running_loop().run_in_executor(self.input_executor, work)
+        inputs = result if isinstance(result, list) else [result]
+        await self.check_constraints([p for p in inputs if isinstance(p, ProcessedInput)])
+        return result
+
+    async def check_constraints(self, inputs: list[ProcessedInput]) -> None:
+        """Check each distinct unchecked constraint of `inputs` (concurrently)."""
+        pending: dict[tuple, ProcessedInput] = {}
+        for processed in inputs:
+            if processed.unchecked is not None:
+                pending.setdefault(processed.unchecked.key, processed)
+
+        async def check(processed: ProcessedInput) -> None:
+            try:
+                await self.engine.check_constraint(processed)
+            except StructuredOutputsError as e:
+                raise (processed.describe(e) if processed.describe
+                       else APIError.bad_request(e)) from None
+            except GrammarBusyError as e:
+                raise APIError(503, str(e), _constraint_param(processed)) from None
+        await asyncio.gather(*(check(p) for p in pending.values()))
 
     def check_budget(self, inputs: list[ProcessedInput]) -> None:
         """400 for a request whose output could not fit the model or whose response would be
@@ -200,6 +236,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _constraint_param(processed: ProcessedInput) -> str | None:
+    """The body field a 503 about a constraint names (as its 400 would)."""
+    if processed.describe is None or processed.unchecked is None:
+        return None
+    refusal = processed.describe(StructuredOutputsError(processed.unchecked.kind, ""))
+    return getattr(refusal, "param", None)
 
 
 def request_id(prefix: str) -> str:
