@@ -27,7 +27,8 @@ class _CpuPlan:
     slot_mapping: torch.Tensor
 
 
-def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int) -> np.ndarray:
+def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int,
+                    window: int = 0) -> np.ndarray:
     """[num_items, 3] int32 rows (request, j0, j1): query tiles of at most TILE_ROWS rows,
     the most expensive first (keys x rows), so dynamic scheduling balances the threads."""
     q, s = np.asarray(query_lens, np.int64), np.asarray(seq_lens, np.int64)
@@ -37,7 +38,10 @@ def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int) -> n
     first = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     j0 = first * tile
     j1 = np.minimum(j0 + tile, q[req])
-    cost = (s[req] - q[req] + j1) * (j1 - j0)
+    keys = s[req] - q[req] + j1
+    if window:
+        keys = np.minimum(keys, window + j1 - j0)
+    cost = keys * (j1 - j0)
     order = np.argsort(-cost, kind="stable")
     return np.stack([req, j0, j1], axis=1)[order].astype(np.int32)
 
@@ -74,7 +78,7 @@ class CpuAttentionBackend:
             plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
             plan.block_table.data_ptr(), plan.block_table.stride(0), plan.items.data_ptr(),
             plan.items.shape[0], out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
-            scale, torch.get_num_threads())
+            scale, torch.get_num_threads(), metadata.sliding_window)
         if status:
             raise RuntimeError(f"cpu_paged_attention rejected its arguments (status {status})")
         return out
@@ -105,7 +109,8 @@ def _make_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:
     table = metadata.block_table.to("cpu", torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
-    items = tile_work_items(metadata.query_lens_cpu, metadata.seq_lens_cpu, group)
+    items = tile_work_items(metadata.query_lens_cpu, metadata.seq_lens_cpu, group,
+                            metadata.sliding_window)
     return _CpuPlan(group, torch.from_numpy(items), host(metadata.query_start_loc, torch.int32),
                     host(metadata.seq_lens, torch.int32), table,
                     host(metadata.slot_mapping, torch.int64))

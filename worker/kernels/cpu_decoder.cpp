@@ -33,7 +33,7 @@ using RopeFn = int (*)(int, const int64_t*, void*, int64_t, int, void*, int64_t,
 using AttentionFn = int (*)(int, const void*, int64_t, const void*, int64_t, const void*,
                             int64_t, void*, void*, const int64_t*, int64_t, const int32_t*,
                             const int32_t*, const int32_t*, int64_t, const int32_t*, int64_t,
-                            void*, int, int, int, int, float, int);
+                            void*, int, int, int, int, float, int, int);
 
 constexpr int MAX_SEGMENTS = 4;
 constexpr int F32 = 0;   // cpu_dtypes.h's dtype code
@@ -116,7 +116,7 @@ int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
     return f.attention(F32, q, width, k, width, v, width, l.k_cache, l.v_cache, s.slot_mapping,
                        s.m, s.query_start_loc, s.seq_lens, s.block_table, s.bt_stride, s.items,
                        s.num_items, s.attn, nh, nkv, hd, static_cast<int>(d.block_size),
-                       d.scale, TEAM);
+                       d.scale, TEAM, 0);
 }
 
 // One decoder layer; `pending` holds the previous layer's MLP output (first: nothing).
