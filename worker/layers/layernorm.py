@@ -52,3 +52,14 @@ class RMSNorm(nn.Module):
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
         residual.add_(x)
         return self.forward_torch(residual, out_dtype or x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + w): checkpoints hold w, this layer's weight is 1 + w
+    (float32, formed once at load as Hugging Face forms it per call), so the rest is RMSNorm."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                             f"checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(1.0 + loaded.float())
