@@ -12,7 +12,15 @@ from typing import Any
 
 from torch import nn
 
-from worker.models.adapters import GEMMA3, LLAMA, MISTRAL, QWEN2, QWEN3, ConfigAdapter, Gemma3Adapter
+from worker.models.adapters import (
+    GEMMA3,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    ConfigAdapter,
+    Gemma3Adapter,
+)
 from worker.models.config import ModelConfig, UnsupportedModelError, read_config_json
 
 # architecture -> (module under worker.models, class, config adapter)
