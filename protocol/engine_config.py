@@ -46,6 +46,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     block_size: Annotated[int, _opt("tokens per KV-cache block")] = 16
     enable_prefix_caching: Annotated[bool, _opt("reuse the KV of shared prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, _opt("split long prompts across steps")] = True
+    disable_hybrid_kv_cache_manager: Annotated[bool, _opt(
+        "allocate every layer's KV as full attention (sliding-window layers keep all their "
+        "blocks; the attention still uses the window)")] = False
     long_prefill_token_threshold: Annotated[int, _opt(
         "most tokens one prefill chunk takes per step (0: no cap)")] = 0
     policy: Annotated[SchedulingPolicy, _opt(

@@ -34,7 +34,8 @@ class InputBatch:
                  rows: int = 16, num_kv_blocks: int | None = None,
                  vocab_size: int | None = None,
                  sliding_windows: tuple[int, ...] = (0,),
-                 layer_groups: tuple[int, ...] = ()) -> None:
+                 layer_groups: tuple[int, ...] = (),
+                 layer_windows: tuple[int, ...] = ()) -> None:
         self.block_size = block_size
         # Bounds on what a step may name, so that no message can make this batch grow without
         # limit or index out of range: block ids below num_kv_blocks, token ids in the
@@ -48,7 +49,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(rows, np.int64)
         self.num_computed = np.zeros(rows, np.int64)
         self.sliding_windows = tuple(sliding_windows) or (0,)  # per KV layer group
-        self.layer_groups = layer_groups  # per model layer, its group (several groups only)
+        self.layer_groups = layer_groups  # per model layer, its group
+        self.layer_windows = layer_windows  # per model layer, its attention window
         self.block_tables = np.zeros((len(self.sliding_windows), rows, self.max_blocks), np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
         self.row_of_handle = np.full(rows, -1, np.int64)

@@ -1,6 +1,7 @@
 """Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -58,7 +59,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization)
         self.weights_summary = weights_summary(self.model, self.quantization)
-        self.kv_cache_spec = self.model.kv_cache_spec()
+        self.kv_cache_spec = dataclasses.replace(
+            self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
         spec = config.speculative_config
@@ -88,7 +90,10 @@ class ModelRunner:
                                       num_kv_blocks=self.num_blocks,
                                       vocab_size=self.model_config.vocab_size,
                                       sliding_windows=tuple(self.sliding_windows) or (0,),
-                                      layer_groups=tuple(layer_groups))
+                                      layer_groups=tuple(layer_groups),
+                                      layer_windows=tuple(
+                                          self.kv_cache_spec.window(i)
+                                          for i in range(self.kv_cache_spec.num_layers)))
         self.last_step = 0
 
     def _max_model_len(self) -> int:

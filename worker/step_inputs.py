@@ -1,6 +1,7 @@
 """One step's flat token batch (no padding), built from the persistent batch with numpy."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,8 +92,16 @@ def attention_inputs(batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
             max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_list, sliding_window=window))
     metadata = groups[0]
-    if len(groups) > 1:
-        metadata.by_layer = [groups[g] for g in batch.layer_groups]
+    # Per layer: its group's metadata; a layer whose window its group does not have (without
+    # the hybrid manager: all layers share group 0) gets a copy with its window.
+    variants = {(g, m.sliding_window): m for g, m in enumerate(groups)}
+    for g, window in zip(batch.layer_groups, batch.layer_windows):
+        if (g, window) not in variants:
+            variants[(g, window)] = dataclasses.replace(groups[g], sliding_window=window,
+                                                        plan=None)
+    if len(variants) > 1:
+        metadata.by_layer = [variants[(g, w)]
+                             for g, w in zip(batch.layer_groups, batch.layer_windows)]
     return positions, metadata
 
 

@@ -29,6 +29,7 @@ class KVCacheSpec:
     head_size: int
     dtype: torch.dtype
     sliding_windows: tuple[int, ...] = ()
+    hybrid: bool = True  # False: one full-attention group, whatever the windows
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """One key (or value) tensor's shape."""
@@ -41,10 +42,11 @@ class KVCacheSpec:
         """The layers in groups of equal size, one kind of attention each, full attention
         first (vLLM's uniform-page grouping): the group size is the smallest kind's layer
         count (or the largest's, when they are within 25 %), each kind's layers in order cut
-        into groups of that size (its last may be smaller). One kind: one group."""
+        into groups of that size (its last may be smaller). One kind: one group. Without
+        `hybrid`, all layers are one full-attention group (each still attends its window)."""
         kinds: dict[int, list[int]] = {}
         for layer in range(self.num_layers):
-            kinds.setdefault(self.window(layer), []).append(layer)
+            kinds.setdefault(self.window(layer) if self.hybrid else 0, []).append(layer)
         counts = [len(layers) for layers in kinds.values()]
         size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
         return [KVCacheGroup(window, tuple(layers[i:i + size]))

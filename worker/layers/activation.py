@@ -27,7 +27,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     tanh approximation, as Hugging Face's gelu_pytorch_tanh), in x's dtype, computed in float32
     and rounded once (the native op on the CPU when it handles x, else torch)."""
     ops = native_ops() if x.is_cpu else None
-    if ops is not None and ops.silu_and_mul_supported(x) and hasattr(ops, "gelu_tanh_and_mul"):
+    if ops is not None and ops.silu_and_mul_supported(x):
         return ops.gelu_tanh_and_mul(x)
     return gelu_tanh_and_mul_torch(x)
 

@@ -48,6 +48,15 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps, dtype, residual)
         return self.add_and_norm_torch(x, residual, dtype)
 
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Every head of x [tokens, heads, head_dim] normalized in place (per-head q/k norms);
+        returns x (a new tensor where the native op does not take x)."""
+        ops = native_ops() if x.is_cpu else None
+        if ops is not None and ops.head_rms_norm_supported(x, self.weight):
+            ops.head_rms_norm_(x, self.weight, self.eps)
+            return x
+        return self.forward_torch(x)
+
     def add_and_norm_torch(self, x: torch.Tensor, residual: torch.Tensor,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
         residual.add_(x)

@@ -20,7 +20,7 @@ from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.adapters import Gemma3Facts
 from worker.models.config import ModelConfig
-from worker.models.native_layer_loop import NativeLayerLoop
+from worker.models.native_layer_loop import LayerNorms, NativeLayerLoop
 
 
 class Gemma3Attention(nn.Module):
@@ -49,7 +49,7 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
-        q, k = rotary(positions, self.q_norm(q), self.k_norm(k))
+        q, k = rotary(positions, self.q_norm.heads_(q), self.k_norm.heads_(k))
         meta = metadata.for_layer(self.layer)
         if meta.sliding_window != self.sliding_window:
             raise ValueError(f"layer {self.layer} has window {self.sliding_window}, its KV "
@@ -95,6 +95,12 @@ class Gemma3DecoderLayer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mlp.down_proj.compute_dtype
 
+    def native_norms(self) -> LayerNorms:
+        attn = self.self_attn
+        return LayerNorms(self.input_layernorm, self.pre_feedforward_layernorm, attn.q_norm,
+                          attn.k_norm, self.post_attention_layernorm,
+                          self.post_feedforward_layernorm)
+
     def forward(self, positions: torch.Tensor, pending: torch.Tensor | None,
                 residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -112,6 +118,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    activation = "gelu_tanh"
+
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
                  max_positions: int, quant_config: QuantizationConfig | None,
                  prefix: str) -> None:
@@ -144,7 +152,7 @@ class Gemma3Model(nn.Module):
         scale = torch.tensor(self.embed_scale, dtype=torch.float32).to(embeds.dtype)
         residual = (embeds * scale).float()
         if self.native_loop is None:
-            self.native_loop = False  # TODO native
+            self.native_loop = NativeLayerLoop.build(self) or False
         if self.native_loop and self.native_loop.takes(residual.shape[0], kv_caches):
             pending = self.native_loop(positions, residual, metadata)
         else:
