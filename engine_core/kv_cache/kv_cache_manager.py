@@ -133,12 +133,16 @@ class KVCacheManager:
             return None
         if blocks is None:
             self.num_cached_block[request_id] = len(hits[0])
-        new_ids: list[int] = []
+        # Every group's hits leave the free list before any new block is taken from it (a new
+        # block for one group could otherwise evict another group's hit).
         for group, group_hits in zip(self.groups, hits):
             group_blocks = group.req_to_blocks.setdefault(request_id, [])
             if group_hits:
                 self.block_pool.touch(group_hits)
                 group_blocks.extend(group_hits)
+        new_ids: list[int] = []
+        for group in self.groups:
+            group_blocks = group.req_to_blocks[request_id]
             if num_new_blocks > 0:
                 new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
                 group_blocks.extend(new_blocks)
