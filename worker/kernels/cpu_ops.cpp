@@ -64,14 +64,13 @@ inline float silu(float x) {
 }
 
 // gelu with the tanh approximation (torch's approximate="tanh"):
-// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(y) = sign(y) (1 - e) / (1 + e) with
-// e = exp(-2|y|) (never overflows; its absolute error, which is what the 1 + tanh sees, stays
-// at float32 rounding).
+// 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2y) =
+// x / (1 + e) for y >= 0 and x e / (1 + e) for y < 0, e = exp(-2|y|): no overflow and no
+// cancellation in 1 + tanh(y) (torch's form loses bits there, so ours is the closer one).
 inline float gelu_tanh(float x) {
     const float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
     const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
-    const float t = (1.0f - e) / (1.0f + e);
-    return 0.5f * x * (1.0f + (y < 0.0f ? -t : t));
+    return x * ((y < 0.0f ? e : 1.0f) / (1.0f + e));
 }
 
 // ---- RMSNorm -----------------------------------------------------------------------------
