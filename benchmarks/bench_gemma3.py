@@ -6,7 +6,7 @@ Sections (--sections; both by default):
            tokens (ignore_eos), our engine vs llama.cpp (--llamacpp-python) on the very same
            GGUF file, rounds interleaved, whole calls timed (prompt included). Load average
            printed each round.
-  memory   8k-token sequences (prompt 8160 + 32 outputs) in a fixed KV budget (--kv-mib), in
+  memory   8k-token sequences (prompt 8160 + 32 outputs; --seq-tokens) in a fixed KV budget (--kv-mib), in
            one process (Scheduler + ModelRunner, 2 threads): the hybrid KV manager (sliding
            windows keep only the blocks they see) vs a full-attention allocation
            (disable_hybrid_kv_cache_manager); the blocks one sequence holds per layer group,
@@ -45,7 +45,7 @@ PROMPTS = [
     "runs ten kilometers every morning:\n",
 ]
 STREAM_TOKENS = 128
-SEQ_TOKENS, OUT_TOKENS = 8192, 32
+OUT_TOKENS = 32
 
 
 def ours_stream(llm: LLM) -> tuple[int, float]:
@@ -103,18 +103,18 @@ def stream_section(args, model_dir: str) -> None:
 
 
 def memory_run(model_dir: str, kv_bytes: int, budget: int, hybrid: bool,
-               prompts: list[list[int]]) -> dict:
+               prompts: list[list[int]], seq_tokens: int) -> dict:
     """Scheduler + ModelRunner in this process: the most requests running at once, the blocks
     held per group at that point, and every request's greedy tokens."""
     from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
     from protocol import EngineConfig
     from worker.model_runner import ModelRunner
     runner = ModelRunner(EngineConfig(
-        model=model_dir, max_model_len=SEQ_TOKENS, kv_cache_memory_bytes=kv_bytes,
+        model=model_dir, max_model_len=seq_tokens, kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=len(prompts), disable_hybrid_kv_cache_manager=not hybrid))
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=budget,
-                        max_model_len=SEQ_TOKENS),
+                        max_model_len=seq_tokens),
         CacheConfig(16, runner.num_blocks, True, tuple(runner.sliding_windows) or (0,)))
     params = SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -130,7 +130,7 @@ def memory_run(model_dir: str, kv_bytes: int, budget: int, hybrid: bool,
             most, held = len(scheduler.running), kv.num_blocks_by_group()
     return {"most": most, "held": held, "blocks": runner.num_blocks - 1,
             "block_bytes": runner.kv_cache_spec.bytes_per_block(16),
-            "per_sequence": kv.blocks_for_sequence(SEQ_TOKENS),
+            "per_sequence": kv.blocks_for_sequence(seq_tokens),
             "windows": list(kv.sliding_windows), "preemptions": scheduler.num_preemptions,
             "seconds": time.perf_counter() - start,
             "tokens": [tokens[str(i)] for i in range(len(prompts))]}
@@ -139,18 +139,19 @@ def memory_run(model_dir: str, kv_bytes: int, budget: int, hybrid: bool,
 def memory_section(args, model_dir: str) -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 200000) for _ in range(SEQ_TOKENS - OUT_TOKENS)]
+    seq = args.seq_tokens
+    prompts = [[rng.randrange(1000, 200000) for _ in range(seq - OUT_TOKENS)]
                for _ in range(args.sequences)]
     kv_bytes = args.kv_mib << 20
-    runs = {name: memory_run(model_dir, kv_bytes, args.budget, hybrid, prompts)
+    runs = {name: memory_run(model_dir, kv_bytes, args.budget, hybrid, prompts, seq)
             for name, hybrid in (("hybrid", True), ("full attention", False))}
-    print(f"{args.sequences} sequences of {SEQ_TOKENS} tokens ({SEQ_TOKENS - OUT_TOKENS} "
+    print(f"{args.sequences} sequences of {seq} tokens ({seq - OUT_TOKENS} "
           f"prompt + {OUT_TOKENS} out), KV budget {args.kv_mib} MiB, token budget "
           f"{args.budget}, block 16 tokens:")
     for name, r in runs.items():
         one = sum(r["per_sequence"])
         print(f"  {name:15s} {r['blocks']} blocks of {r['block_bytes'] // 1024} KiB (groups, "
-              f"window per group: {r['windows']}); one {SEQ_TOKENS}-token sequence holds "
+              f"window per group: {r['windows']}); one {seq}-token sequence holds "
               f"{r['per_sequence']} = {one} blocks ({one * r['block_bytes'] / 2**20:.1f} MiB) "
               f"at most; most running at once: {r['most']} (then {r['held']} blocks held per "
               f"group), {r['preemptions']} preemptions, {r['seconds']:.0f} s")
@@ -175,6 +176,7 @@ def main() -> None:
                         help="KV budget of the memory section (full attention: 2 sequences)")
     parser.add_argument("--budget", type=int, default=1024, help="tokens per step (memory)")
     parser.add_argument("--sequences", type=int, default=10)
+    parser.add_argument("--seq-tokens", type=int, default=8192)
     args = parser.parse_args()
     model_dir = download_model("gemma3-270m")
     if "stream" in args.sections:

@@ -83,6 +83,7 @@ def attention_inputs(batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
     query_start_loc = _to(np.concatenate(([0], ends)).astype(np.int32), device)
     seq_lens_t = _to(seq_lens.astype(np.int32), device)
     query_lens, seq_lens_list = counts.tolist(), seq_lens.tolist()
+    shared: dict = {}
     groups = []
     for table, window in zip(batch.block_tables, batch.sliding_windows):
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -90,7 +91,8 @@ def attention_inputs(batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
             slot_mapping=_to(slots, device), query_start_loc=query_start_loc,
             seq_lens=seq_lens_t, block_table=_to(table[rows, :max_blocks], device),
             max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_list, sliding_window=window))
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_list, sliding_window=window,
+            shared=shared))
     metadata = groups[0]
     # Per layer: its group's metadata; a layer whose window its group does not have (without
     # the hybrid manager: all layers share group 0) gets a copy with its window.

@@ -38,6 +38,8 @@ class AttentionMetadata:
     plan: Any = field(default=None)  # the backend's per-step preparation, reused by all layers
     sliding_window: int = 0  # 0: full attention
     by_layer: list[AttentionMetadata] | None = None  # per layer, where groups differ
+    # Per-step preparation the groups' backends share (one dict for all of a step's groups).
+    shared: dict[Any, Any] = field(default_factory=dict)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         return self if self.by_layer is None else self.by_layer[layer]
