@@ -6,7 +6,7 @@ Sections (--sections; both by default):
            tokens (ignore_eos), our engine vs llama.cpp (--llamacpp-python) on the very same
            GGUF file, rounds interleaved, whole calls timed (prompt included). Load average
            printed each round.
-  memory   8k-token sequences (prompt 8160 + 32 outputs; --seq-tokens) in a fixed KV budget (--kv-mib), in
+  memory   8k-token sequences (prompt 8000 + 192 outputs; --seq-tokens) in a fixed KV budget (--kv-mib), in
            one process (Scheduler + ModelRunner, 2 threads): the hybrid KV manager (sliding
            windows keep only the blocks they see) vs a full-attention allocation
            (disable_hybrid_kv_cache_manager); the blocks one sequence holds per layer group,
@@ -45,7 +45,7 @@ PROMPTS = [
     "runs ten kilometers every morning:\n",
 ]
 STREAM_TOKENS = 128
-OUT_TOKENS = 32
+OUT_TOKENS = 192  # long enough that sequences decode side by side (not only one after another)
 
 
 def ours_stream(llm: LLM) -> tuple[int, float]:
