@@ -11,7 +11,10 @@ Sections (--sections; both by default):
            windows keep only the blocks they see) vs a full-attention allocation
            (disable_hybrid_kv_cache_manager); the blocks one sequence holds per layer group,
            the most sequences running at once in each, and the greedy tokens of both (equal).
-Run: python benchmarks/bench_gemma3.py [--rounds 3] [--sections stream memory]
+  capacity the memory section's block accounting alone (the engine core's scheduler and KV
+           manager over the tests' scripted worker, no model): how many sequences run at once
+           (--sequences, default 10).
+Run: python benchmarks/bench_gemma3.py [--rounds 3] [--sections stream memory capacity]
      [--llamacpp-python /work/peer/llamacpp/bin/python]
 """
 from __future__ import annotations
@@ -136,6 +139,33 @@ def memory_run(model_dir: str, kv_bytes: int, budget: int, hybrid: bool,
             "tokens": [tokens[str(i)] for i in range(len(prompts))]}
 
 
+def scheduled_capacity(windows: tuple[int, ...], num_blocks: int, budget: int, n: int,
+                       seq: int) -> tuple[int, list[int]]:
+    """The most of n sequences (seq - OUT_TOKENS prompt tokens, OUT_TOKENS out) running at
+    once, and the blocks held per group then: the engine core's scheduler and KV manager over
+    the scripted worker of the tests (block accounting only, no model: it decides nothing
+    the model's values could change)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from scripted_worker import ScriptedWorker
+
+    from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=budget,
+                                          max_model_len=seq),
+                          CacheConfig(16, num_blocks, True, windows))
+    worker = ScriptedWorker(num_blocks, 16, check_kv=False, sliding_windows=windows)
+    params = SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True)
+    for i in range(n):
+        scheduler.add_request(Request(str(i), [1000 + i] * (seq - OUT_TOKENS), params))
+    most, held = 0, []
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        scheduler.update_from_output(so, worker.execute_model(so))
+        if len(scheduler.running) > most:
+            most, held = len(scheduler.running), scheduler.kv_cache_manager.num_blocks_by_group()
+    return most, held
+
+
 def memory_section(args, model_dir: str) -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -161,6 +191,23 @@ def memory_section(args, model_dir: str) -> None:
           f"{hybrid['tokens'] == full['tokens']}")
 
 
+def capacity_section(args) -> None:
+    """The memory section's block accounting for more sequences, without the model."""
+    seq, kv_bytes = args.seq_tokens, args.kv_mib << 20
+    block = 2 * 16 * 256 * 4  # one layer's K and V of 16 tokens: 1 KV head of dim 256, fp32
+    layouts = {"hybrid": ((0,) + (512,) * 5, kv_bytes // (3 * block)),
+               "full attention": ((0,), kv_bytes // (18 * block))}
+    print(f"capacity (scheduler + KV manager, scripted worker): {args.sequences} sequences of "
+          f"{seq} tokens ({seq - OUT_TOKENS} prompt + {OUT_TOKENS} out), {args.kv_mib} MiB, "
+          f"token budget {args.budget}:")
+    most = {}
+    for name, (windows, blocks) in layouts.items():
+        most[name], held = scheduled_capacity(windows, blocks, args.budget, args.sequences, seq)
+        print(f"  {name:15s} {blocks - 1} blocks: most running at once {most[name]} (then "
+              f"{held} blocks held per group)")
+    print(f"  {most['hybrid'] / max(most['full attention'], 1):.1f}x as many sequences")
+
+
 def _gguf_name(model_dir: str) -> str:
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)["quantization_config"]["gguf_file"]
@@ -183,6 +230,8 @@ def main() -> None:
         stream_section(args, model_dir)
     if "memory" in args.sections:
         memory_section(args, model_dir)
+    if "capacity" in args.sections:
+        capacity_section(args)
 
 
 if __name__ == "__main__":
