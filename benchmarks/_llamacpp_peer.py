@@ -5,6 +5,8 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
   chat {messages, max_tokens}             -> {seconds, tokens}   (one create_chat_completion,
                                              greedy, end-of-generation tokens banned so all
                                              max_tokens come, KV state reset first)
+  complete {prompt, max_tokens}           -> {seconds, tokens, text}   (create_completion,
+                                             likewise: a base model's plain completion)
   quit
 """
 from __future__ import annotations
@@ -38,7 +40,18 @@ def chat(messages: list[dict], max_tokens: int) -> dict:
             "text": reply["choices"][0]["message"]["content"]}
 
 
-OPS = {"init": init, "chat": chat}
+def complete(prompt: str, max_tokens: int) -> dict:
+    llm = STATE["llm"]
+    llm.reset()
+    start = time.perf_counter()
+    reply = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
+                                  logit_bias=STATE["bias"])
+    return {"seconds": time.perf_counter() - start,
+            "tokens": reply["usage"]["completion_tokens"],
+            "text": reply["choices"][0]["text"]}
+
+
+OPS = {"init": init, "chat": chat, "complete": complete}
 
 
 def main() -> None:

@@ -50,6 +50,9 @@ class CacheConfig:
     # Physical KV blocks, including the reserved null block 0 (so num_blocks - 1 are usable).
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Per KV layer group, its attention window (0: full attention); block ids travel in
+    # this order.
+    sliding_windows: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

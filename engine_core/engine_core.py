@@ -58,7 +58,8 @@ class EngineCore:
 
     @staticmethod
     def from_config(config: EngineConfig, executor: ModelExecutor | None, num_blocks: int,
-                    max_model_len: int, vocab_size: int | None) -> EngineCore:
+                    max_model_len: int, vocab_size: int | None,
+                    sliding_windows: tuple[int, ...] = ()) -> EngineCore:
         """The engine core for `config` once the workers reported their capacity (also what a
         scheduler-only replay builds, so both decide alike)."""
         scheduler = Scheduler(
@@ -69,7 +70,8 @@ class EngineCore:
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             async_scheduling=config.async_scheduling,
                             speculative_config=config.speculative_config),
-            CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
+            CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching,
+                        tuple(sliding_windows) or (0,)),
             vocab_size)
         structured_output = StructuredOutputManager(
             config.model, vocab_size, config.structured_outputs_compile_timeout_s,

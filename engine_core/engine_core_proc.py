@@ -101,14 +101,21 @@ class EngineCoreProc:
         ready = self.workers.start()
         c = self.config
         engine = EngineCore.from_config(c, self.workers, ready.num_blocks, ready.max_model_len,
-                                        ready.vocab_size)
+                                        ready.vocab_size, ready.sliding_windows)
         if self.kv_events is not None:
             engine.record_kv_events()
         self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
                                c.tensor_parallel_size, ready.vocab_size,
-                               ready.attention_backend, ready.dtype, ready.quantization))
+                               ready.attention_backend, ready.dtype, ready.quantization,
+                               list(ready.sliding_windows),
+                               engine.scheduler.max_kv_tokens if ready.sliding_windows else 0))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
                     ready.max_model_len, ready.num_blocks, c.block_size)
+        if ready.sliding_windows:
+            logger.info("KV cache groups (window, 0: full): %s; one %d-token sequence holds "
+                        "%s blocks", list(ready.sliding_windows), ready.max_model_len,
+                        engine.scheduler.kv_cache_manager.blocks_for_sequence(
+                            ready.max_model_len))
         logger.info("model_config_info: model=%s quantization=%s dtype=%s "
                     "tensor_parallel_size=%d attention_backend=%s", c.model,
                     ready.quantization, ready.dtype, c.tensor_parallel_size,

@@ -25,7 +25,10 @@ def _opt(help: str, **extra: Any) -> Meta:
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Everything an engine is started with, validated on construction."""
 
-    model: Annotated[str, _opt("Hugging Face style model directory")]
+    model: Annotated[str, _opt(
+        "a Hugging Face directory, a .gguf file, an org/name hub id, or a named model: "
+        "smollm2 (the default; Apache-2.0) or gemma3-270m (Google's Gemma 3 270M, under the "
+        "Gemma Terms of Use, https://ai.google.dev/gemma/terms)")]
     tensor_parallel_size: Annotated[int, _opt("number of worker ranks", aliases=["-tp"])] = 1
     device: Annotated[str, _opt("auto, cpu or cuda[:N]")] = "auto"
     dtype: Annotated[DType, _opt("weights and activations; auto: the checkpoint's")] = "auto"
@@ -33,7 +36,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "weights: gguf keeps a GGUF file's blocks and multiplies them as they are; int8 "
         "quantizes a dense model at load (a scale per output channel); none runs dense "
         "weights (a GGUF file dequantized to float32); auto: gguf for a GGUF model (a .gguf "
-        "file, smollm2), none otherwise. Quantized weights compute in float32",
+        "file, smollm2, gemma3-270m), none otherwise. Quantized weights compute in float32",
         aliases=["-q"])] = "auto"
     max_model_len: Annotated[int | None, _opt(
         "longest sequence (prompt + output); default: the model's limit")] = None
@@ -43,6 +46,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     block_size: Annotated[int, _opt("tokens per KV-cache block")] = 16
     enable_prefix_caching: Annotated[bool, _opt("reuse the KV of shared prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, _opt("split long prompts across steps")] = True
+    disable_hybrid_kv_cache_manager: Annotated[bool, _opt(
+        "allocate every layer's KV as full attention (sliding-window layers keep all their "
+        "blocks; the attention still uses the window)")] = False
     long_prefill_token_threshold: Annotated[int, _opt(
         "most tokens one prefill chunk takes per step (0: no cap)")] = 0
     policy: Annotated[SchedulingPolicy, _opt(

@@ -117,6 +117,9 @@ class EngineReady(WireStruct, tag=21):
     attention_backend: str = ""  # what the workers run ("cpu", "torch", "cupy", "emulated")
     dtype: str = ""  # the workers' compute dtype
     quantization: str = ""  # the weights' method as run, e.g. "gguf (Q4_1: 210, Q8_0: 1)"
+    sliding_windows: list[int] = []  # per KV layer group, as WorkerReady's
+    # The longest sequence the whole KV cache holds (0: num_blocks - 1 blocks of block_size).
+    max_kv_tokens: int = 0
 
 
 class EngineFailed(WireStruct, tag=22):

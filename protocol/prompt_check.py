@@ -7,9 +7,12 @@ from collections.abc import Sequence
 
 
 def check_prompt(token_ids: Sequence[int], max_model_len: int, num_usable_blocks: int,
-                 block_size: int, vocab_size: int | None = None) -> None:
+                 block_size: int, vocab_size: int | None = None,
+                 max_kv_tokens: int = 0) -> None:
     """Raise ValueError if the prompt is empty, leaves no room for output, needs more KV blocks
-    than the whole cache holds, or names a token outside the vocabulary."""
+    than the whole cache holds, or names a token outside the vocabulary. `max_kv_tokens`: the
+    longest sequence the whole cache holds, where its layer groups differ (sliding windows);
+    0: `num_usable_blocks` blocks of `block_size` tokens."""
     n = len(token_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -17,7 +20,11 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, num_usable_blocks
         raise ValueError(f"the prompt has {n} tokens, which leaves no room for output "
                          f"within max_model_len={max_model_len}")
     blocks = -(-n // block_size)
-    if blocks > num_usable_blocks:
+    if max_kv_tokens and n > max_kv_tokens:
+        raise ValueError(f"the prompt has {n} tokens, but the whole KV cache holds at most "
+                         f"{max_kv_tokens} tokens of one sequence ({num_usable_blocks} blocks "
+                         "shared by its layer groups)")
+    if not max_kv_tokens and blocks > num_usable_blocks:
         raise ValueError(f"the prompt has {n} tokens and needs {blocks} KV blocks, but the "
                          f"whole KV cache has {num_usable_blocks} "
                          f"({num_usable_blocks * block_size} tokens)")

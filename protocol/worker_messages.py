@@ -54,6 +54,9 @@ class WorkerReady(WireStruct, tag=41):
     vocab_size: int = 0
     dtype: str = ""  # the compute dtype (float32 where a half dtype has no native CPU support)
     quantization: str = ""  # the weights' method as run (gguf, int8, none) and what it kept
+    # The KV cache's layer groups: each one's attention window (0: full attention), in the
+    # order block ids travel; empty: one full-attention group.
+    sliding_windows: list[int] = []
 
 
 class WorkerError(WireStruct, tag=42):

@@ -88,7 +88,8 @@ def replay_scheduler(path: str, out: Print = print, allow_truncated: bool = Fals
     they became ready (the recorded model directory's tokenizer is needed for that)."""
     run = open_run(path, allow_truncated, out)
     engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
-                                    run.ready.max_model_len, run.ready.vocab_size)
+                                    run.ready.max_model_len, run.ready.vocab_size,
+                                    run.ready.sliding_windows)
     codec = Codec(Channel.CORE_TO_WORKER)
     pending: dict[int, SchedulerOutput] = {}  # by step: async scheduling keeps two in flight
     steps = 0

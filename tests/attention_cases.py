@@ -4,7 +4,9 @@ tests).
 A case holds a step's q/k/v for several requests, each with `context_len` tokens already in
 the cache (written at permuted physical blocks) and `query_len` new tokens. Every slot that
 is not written (unused blocks, the null block, the tail of partial last blocks) holds NaN, so
-any read outside a request's context shows up in the result.
+any read outside a request's context shows up in the result. With a sliding window, the blocks
+before each request's first needed one are NaN too and its table names the null block there,
+as the KV cache manager leaves them.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class AttentionCase:
         metadata = AttentionMetadata(
             m.slot_mapping.to(device), m.query_start_loc.to(device), m.seq_lens.to(device),
             m.block_table.to(device), m.max_query_len, m.max_seq_len, m.query_lens_cpu,
-            m.seq_lens_cpu)
+            m.seq_lens_cpu, sliding_window=m.sliding_window)
         return AttentionCase(self.query.to(device), self.key.to(device), self.value.to(device),
                              self.k_cache.to(device), self.v_cache.to(device), metadata,
                              self.specs, self.context_k, self.context_v, self.num_padding)
@@ -48,7 +50,8 @@ class AttentionCase:
 
 def make_case(specs: list[tuple[int, int]], num_heads: int = 4, num_kv_heads: int = 2,
               head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,
-              num_padding: int = 0, seed: int = 0, spare_blocks: int = 3) -> AttentionCase:
+              num_padding: int = 0, seed: int = 0, spare_blocks: int = 3,
+              sliding_window: int = 0) -> AttentionCase:
     gen = torch.Generator().manual_seed(seed)
     blocks_of = [-(-(c + q) // block_size) for c, q in specs]
     num_blocks = 1 + sum(blocks_of) + spare_blocks
@@ -73,6 +76,11 @@ def make_case(specs: list[tuple[int, int]], num_heads: int = 4, num_kv_heads: in
         context_k.append(ck)
         context_v.append(cv)
         slots.append(req_slots[context:])
+        if sliding_window:  # blocks left the window: NaN, and the table names the null block
+            skipped = max(0, context - sliding_window + 1) // block_size
+            k_cache[table[i, :skipped].long()] = float("nan")
+            v_cache[table[i, :skipped].long()] = float("nan")
+            table[i, :skipped] = 0
     slots.append(torch.full((num_padding,), -1, dtype=torch.long))
     num_tokens = sum(q for _, q in specs) + num_padding
     query_lens = [q for _, q in specs]
@@ -82,7 +90,7 @@ def make_case(specs: list[tuple[int, int]], num_heads: int = 4, num_kv_heads: in
         query_start_loc=torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, sliding_window=sliding_window)
     return AttentionCase(rand(num_tokens, num_heads, head_dim),
                          rand(num_tokens, num_kv_heads, head_dim),
                          rand(num_tokens, num_kv_heads, head_dim), k_cache, v_cache, metadata,
@@ -108,8 +116,11 @@ def reference(case: AttentionCase) -> torch.Tensor:
         v = torch.cat([cv, case.value[start:start + query_len]]).double()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
-        allowed = torch.arange(context + query_len)[None, :] <= (
-            context + torch.arange(query_len))[:, None]
+        key_pos = torch.arange(context + query_len)[None, :]
+        query_pos = (context + torch.arange(query_len))[:, None]
+        allowed = key_pos <= query_pos
+        if case.metadata.sliding_window:
+            allowed &= key_pos > query_pos - case.metadata.sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += query_len

@@ -16,6 +16,14 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Six layers, every third global (so 2 global + 4 local layers: KV groups of 2), a window
+    # of 8 tokens, distinct RoPE bases and a query_pre_attn_scalar that is not head_dim.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "num_hidden_layers": 6, "sliding_window": 8, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 24, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}}),
 }
 NEAR_TIE = 1e-4  # logit gap below which a different argmax is not a bug
 

@@ -14,7 +14,8 @@ def make_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                    long_prefill_token_threshold: int = 0, num_blocks: int = 10000,
                    block_size: int = 16, max_model_len: int | None = None,
                    policy: str = "fcfs", async_scheduling: bool = False,
-                   speculative_config: SpeculativeConfig | None = None) -> Scheduler:
+                   speculative_config: SpeculativeConfig | None = None,
+                   sliding_windows: tuple[int, ...] = (0,)) -> Scheduler:
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len or max_num_batched_tokens,
@@ -24,7 +25,8 @@ def make_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                             async_scheduling=async_scheduling,
                             speculative_config=speculative_config)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        enable_prefix_caching=enable_prefix_caching)
+                        enable_prefix_caching=enable_prefix_caching,
+                        sliding_windows=sliding_windows)
     return Scheduler(sched, cache)
 
 

@@ -5,7 +5,10 @@
 It simulates the KV cache as one fingerprint per slot (a hash of the token prefix ending at that
 position), writes the step's slots first and then checks that every position a sampling
 request attends holds its own prefix: a wrong prefix-cache hit, a block reused while shared, or
-a bad resume shows up as a mismatch. Tokens come from a fixed script.
+a bad resume shows up as a mismatch. Tokens come from a fixed script. With KV layer groups
+(`sliding_windows`), block ids arrive group-major; each group's slots hold (group,
+fingerprint), and a sliding-window group is checked over its window only (the keys its layers
+read), where no null block may stand.
 """
 from __future__ import annotations
 
@@ -27,9 +30,13 @@ def default_script(request_id: str, tokens: list[int]) -> int:
 class _State:
     request_id: str
     tokens: list[int]
-    block_ids: list[int]
+    groups: list[list[int]]  # block ids per KV layer group
     num_computed: int
     fingerprints: list[int] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.groups[0]
 
     def fingerprint(self, pos: int) -> int:
         while len(self.fingerprints) <= pos:
@@ -40,11 +47,12 @@ class _State:
 
 class ScriptedWorker:
     def __init__(self, num_blocks: int, block_size: int, script: TokenScript = default_script,
-                 check_kv: bool = True) -> None:
+                 check_kv: bool = True, sliding_windows: tuple[int, ...] = (0,)) -> None:
         self.block_size = block_size
+        self.windows = sliding_windows
         self.script = script
         self.check_kv = check_kv
-        self.kv: list[int | None] = [None] * (num_blocks * block_size)
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.states: dict[int, _State] = {}
         self.last_step = 0
         self.answers: deque[ModelRunnerOutput] = deque()  # submitted, not yet collected
@@ -81,38 +89,52 @@ class ScriptedWorker:
         for req_id in so.finished_req_ids:
             assert req_id in self.states, f"finished unknown handle {req_id}"
             del self.states[req_id]
-        for req_id in so.preempted_req_ids:
-            self.states[req_id].block_ids = []  # its KV is gone until it resumes
+        for req_id in so.preempted_req_ids:  # its KV is gone until it resumes
+            self.states[req_id].groups = [[] for _ in self.windows]
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"handle {new.req_id} is already live"
             assert new.num_computed_tokens % self.block_size == 0
             self.states[new.req_id] = _State(new.request_id, list(new.prompt_token_ids),
-                                             list(new.block_ids), new.num_computed_tokens)
+                                             self._split(new.block_ids),
+                                             new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.states[req_id]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(cached.new_block_ids[i])
+                state.groups = self._split(cached.new_block_ids[i])
                 state.num_computed = cached.num_computed_tokens[i]
             else:
                 assert cached.num_computed_tokens[i] == state.num_computed
-                state.block_ids += cached.new_block_ids[i] or []
+                for blocks, new in zip(state.groups, self._split(cached.new_block_ids[i] or [])):
+                    blocks += new
 
-    def _slot(self, state: _State, pos: int) -> int:
-        return state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _split(self, block_ids: list[int]) -> list[list[int]]:
+        """Group-major ids -> one list per group, all of equal length."""
+        n = len(block_ids) // len(self.windows)
+        assert n * len(self.windows) == len(block_ids), "groups of unequal length"
+        return [list(block_ids[g * n:(g + 1) * n]) for g in range(len(self.windows))]
+
+    def _slot(self, state: _State, pos: int, group: int = 0) -> int:
+        block = state.groups[group][pos // self.block_size]
+        assert block != 0, f"{state.request_id}: the null block at position {pos}"
+        return block * self.block_size + pos % self.block_size
 
     def _write_kv(self, state: _State, n: int) -> None:
         end = state.num_computed + n
         assert 0 < n and end <= len(state.tokens), "scheduled past the known tokens"
         assert len(state.block_ids) * self.block_size >= end, "not enough blocks for the step"
-        assert 0 not in state.block_ids, "null block handed to a request"
         for pos in range(state.num_computed, end):
-            self.kv[self._slot(state, pos)] = state.fingerprint(pos)
+            for g in range(len(self.windows)):
+                self.kv[self._slot(state, pos, g)] = (g, state.fingerprint(pos))
         state.num_computed = end
 
     def _check_kv(self, state: _State) -> None:
+        """The keys the last computed token attended, in every group."""
         if not self.check_kv:
             return
-        for pos in range(state.num_computed):
-            assert self.kv[self._slot(state, pos)] == state.fingerprint(pos), (
-                f"{state.request_id}: KV at position {pos} is not this request's prefix")
+        last = state.num_computed - 1
+        for g, window in enumerate(self.windows):
+            for pos in range(max(0, last - window + 1) if window else 0, last + 1):
+                assert self.kv[self._slot(state, pos, g)] == (g, state.fingerprint(pos)), (
+                    f"{state.request_id}: group {g}'s KV at position {pos} is not this "
+                    "request's prefix")

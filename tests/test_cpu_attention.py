@@ -101,6 +101,17 @@ def test_random_batches(seed):
            block_size=block_size, dtype=dtype, num_padding=rng.randrange(4), seed=seed)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 100])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2)], ids=["mqa4", "gqa4"])
+def test_sliding_window_reads_only_its_keys(window, heads):
+    """Each row attends its last `window` keys; blocks before every row's window are NaN and
+    named by the null block (a read shows up as NaN)."""
+    _check(SPECS["mixed"] + SPECS["long"] + SPECS["prefill_with_context"], num_heads=heads[0],
+           num_kv_heads=heads[1], num_padding=1, seed=window, sliding_window=window)
+    _check(SPECS["long"], num_heads=heads[0], num_kv_heads=heads[1], head_dim=256,
+           block_size=32, seed=window, sliding_window=window)
+
+
 def test_writes_new_kv_into_slots_and_skips_padding():
     case = make_case([(5, 3), (0, 1), (16, 1)], num_padding=3, seed=4)
     before = case.k_cache.clone(), case.v_cache.clone()

@@ -16,7 +16,12 @@ from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from protocol import EngineConfig, SamplingParams
-from worker.layers.activation import silu_and_mul, silu_and_mul_torch
+from worker.layers.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
 from worker.layers.layernorm import RMSNorm
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.model_runner import ModelRunner
@@ -101,6 +106,31 @@ def test_silu_and_mul_extremes(ops, dtype):
                           big, -big]])
     x = torch.cat([gate, torch.full_like(gate, 1.5)], dim=1).to(dtype)
     _assert_close(silu_and_mul(x), silu_and_mul_torch(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,d,strided", [(1, 2048, False), (6, 99, True)])
+def test_gelu_tanh_and_mul(ops, dtype, n, d, strided):
+    """Against torch's formula in float64 (in float32, torch's own 1 + tanh cancels for
+    negative gates, where ours does not)."""
+    torch.manual_seed(d)
+    x = _rows(n, 2 * d, dtype, strided, scale=4.0)
+    _assert_close(gelu_tanh_and_mul(x), gelu_tanh_and_mul_torch(x.double()).to(dtype))
+    big = 60000.0 if dtype == torch.float16 else 1e6
+    gate = torch.tensor([[0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 20.0, -20.0, big, -big]])
+    x = torch.cat([gate, torch.full_like(gate, 1.5)], dim=1).to(dtype)
+    _assert_close(gelu_tanh_and_mul(x), gelu_tanh_and_mul_torch(x.double()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm_in_place(ops, dtype):
+    """Gemma's and Qwen3's q/k norms: every head of a strided [tokens, heads, dim] view."""
+    torch.manual_seed(0)
+    qkv, q, k, _ = _qkv(5, 4, 2, 64, dtype)
+    norm = _norm(64)
+    expected = norm.forward_torch(q.clone())
+    assert norm.heads_(q) is q
+    _assert_close(q, expected)
 
 
 def _qkv(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):

@@ -70,6 +70,16 @@ def _check(split_tokens, specs, **case_args):
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window_reads_only_its_keys(window, split):
+    """Rows attend their last `window` keys; blocks before every row's window are NaN and
+    named by the null block, so a read shows up as NaN (splits start at the window too)."""
+    _check(SPLITS[split], SPECS["mixed"] + SPECS["long"] + SPECS["prefill_with_context"],
+           num_heads=8, num_kv_heads=2, head_dim=64, num_padding=1, seed=window,
+           sliding_window=window)
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_matches_reference_and_torch(kind, heads, split):

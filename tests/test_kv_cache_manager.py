@@ -27,7 +27,7 @@ def test_prefill_hits_and_eviction_order():
     manager = KVCacheManager(11, 16)
     common = list(range(48))
     req0 = _req("0", common + [100] * 7)
-    assert manager.get_computed_blocks(req0) == ([], 0)
+    assert manager.get_computed_blocks(req0) == (([],), 0)
     assert _allocate(manager, req0) == [1, 2, 3, 4]
     blocks = manager.req_to_blocks["0"]
     parent = None
@@ -38,9 +38,9 @@ def test_prefill_hits_and_eviction_order():
 
     req1 = _req("1", common + [200] * 5)
     hits, num_hit = manager.get_computed_blocks(req1)
-    assert [b.block_id for b in hits] == [1, 2, 3] and num_hit == 48
+    assert [b.block_id for b in hits[0]] == [1, 2, 3] and num_hit == 48
     assert manager.allocate_slots(req1, 5, 48, hits) == [5]
-    assert [b.ref_cnt for b in hits] == [2, 2, 2] and manager.block_pool.get_num_free_blocks() == 5
+    assert [b.ref_cnt for b in hits[0]] == [2, 2, 2] and manager.block_pool.get_num_free_blocks() == 5
     manager.check_integrity()
 
     manager.free(req0)
@@ -48,7 +48,7 @@ def test_prefill_hits_and_eviction_order():
     assert _free_ids(manager) == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1]
     req2 = _req("2", common + [7] * 6)
     hits, num_hit = manager.get_computed_blocks(req2)
-    assert [b.block_id for b in hits] == [1, 2, 3]
+    assert [b.block_id for b in hits[0]] == [1, 2, 3]
     assert manager.allocate_slots(req2, 6, 48, hits) == [6]
     req3 = _req("3", [99] * 160)
     assert manager.allocate_slots(req3, 16) == [7]  # LRU head first
@@ -65,7 +65,7 @@ def test_eviction_takes_lru_then_longest_prefix():
     assert _free_ids(manager) == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
     req2 = _req("2", list(range(35)))
     hits, num_hit = manager.get_computed_blocks(req2)
-    assert [b.block_id for b in hits] == [1, 2] and num_hit == 32
+    assert [b.block_id for b in hits[0]] == [1, 2] and num_hit == 32
     assert manager.allocate_slots(req2, 3, 32, hits) == [10]
     assert manager.block_pool.get_num_free_blocks() == 7
 
@@ -89,7 +89,7 @@ def test_hit_is_capped_so_the_last_token_is_recomputed():
     manager = KVCacheManager(11, 16)
     _allocate(manager, _req("0", list(range(48))))
     hits, num_hit = manager.get_computed_blocks(_req("1", list(range(48))))
-    assert len(hits) == 2 and num_hit == 32
+    assert len(hits[0]) == 2 and num_hit == 32
 
 
 def test_failed_allocation_changes_nothing():
@@ -100,10 +100,10 @@ def test_failed_allocation_changes_nothing():
     _allocate(manager, _req("x", [7] * 16))  # takes block 3 (head of the free list)
     req1 = _req("1", list(range(32)) + [5] * 40)
     hits, num_hit = manager.get_computed_blocks(req1)
-    assert num_hit == 32 and [b.ref_cnt for b in hits] == [0, 0]
+    assert num_hit == 32 and [b.ref_cnt for b in hits[0]] == [0, 0]
     free_before = _free_ids(manager)
     assert manager.allocate_slots(req1, 40, num_hit, hits) is None
-    assert [b.ref_cnt for b in hits] == [0, 0] and _free_ids(manager) == free_before
+    assert [b.ref_cnt for b in hits[0]] == [0, 0] and _free_ids(manager) == free_before
     assert "1" not in manager.req_to_blocks
     manager.check_integrity()
 
@@ -119,7 +119,7 @@ def test_caching_disabled():
     manager = KVCacheManager(5, 4, enable_caching=False)
     assert _allocate(manager, _req("0", list(range(10)))) == [1, 2, 3]
     req1 = _req("1", list(range(10)))
-    assert manager.get_computed_blocks(req1) == ([], 0)
+    assert manager.get_computed_blocks(req1) == (([],), 0)
     assert manager.allocate_slots(req1, 10) is None
     assert not manager.block_pool.cached_block_hash_to_block
 
@@ -146,10 +146,10 @@ def test_extra_keys_keep_blocks_apart():
     first = Request("a", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(1,))
     _allocate(manager, first)
     other = Request("b", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(2,))
-    assert manager.get_computed_blocks(other) == ([], 0)
+    assert manager.get_computed_blocks(other) == (([],), 0)
     same = Request("c", tokens, SamplingParams(max_tokens=8), block_hash_extra_keys=(1,))
     assert manager.get_computed_blocks(same)[1] == 32
     plain = _req("d", tokens)
-    assert manager.get_computed_blocks(plain) == ([], 0)
+    assert manager.get_computed_blocks(plain) == (([],), 0)
     assert hash_block_tokens(None, tokens[:16], ()) == hash_block_tokens(None, tokens[:16])
     manager.check_integrity()

@@ -254,7 +254,8 @@ def _replay_pool(journal: str) -> tuple[EngineCore, list]:
     from protocol import ModelRunnerOutput, SchedulerOutput
     run = open_run(journal, out=lambda *_: None)
     engine = EngineCore.from_config(run.header.engine_config, None, run.ready.num_blocks,
-                                    run.ready.max_model_len, run.ready.vocab_size)
+                                    run.ready.max_model_len, run.ready.vocab_size,
+                                    run.ready.sliding_windows)
     engine.record_kv_events()
     pending, events = {}, []
     for record in run.records:

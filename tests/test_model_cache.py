@@ -6,6 +6,7 @@ The SmolLM2 directory is built once into the user's cache ($DELTASERVE_CACHE or
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -221,3 +222,83 @@ def test_smollm2_greedy_matches_hugging_face_tp2(smollm2, hf_refs):
     with LLM(smollm2, dtype="float32", max_model_len=256,
              num_gpu_blocks_override=64, tensor_parallel_size=2) as llm:
         _assert_greedy_case(llm, hf_refs)
+
+
+@pytest.fixture
+def chunked_source(tmp_path, monkeypatch):
+    """A registered "chunked" model: a main wheel with a terms file and two chunk wheels whose
+    members, concatenated, are the GGUF file (as gemma3-270m's packages are)."""
+    monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path / "cache"))
+    wheels = {}
+
+    def wheel(name: str, members: dict[str, bytes]) -> str:
+        path = tmp_path / f"{name.replace('-', '_')}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            for member, data in members.items():
+                z.writestr(member, data)
+        wheels[name] = path
+        return mc.file_sha256(str(path))
+
+    main = wheel("chunked-pkg", {"chunked_pkg/data/TERMS.html": b"terms"})
+    parts = [b"GGUF first half, ", b"second half"]
+    chunks = tuple(mc.Chunk(f"chunked-pkg-part{i}", "1.0",
+                            wheel(f"chunked-pkg-part{i}", {f"p{i}/data/m.gguf.part{i}": data}),
+                            f"p{i}/data/m.gguf.part{i}") for i, data in enumerate(parts))
+    digest = hashlib.sha256(b"".join(parts)).hexdigest()
+    source = mc.ModelSource("chunked-pkg", "1.0", main, "m.gguf", "Some Terms", "chunks",
+                            chunks=chunks, gguf_sha256=digest,
+                            extras=("chunked_pkg/data/TERMS.html",), terms="the terms apply")
+    monkeypatch.setitem(mc.MODELS, "chunked", source)
+    fetched = []
+
+    def fake_pip(cmd, **kwargs):
+        name = cmd[-1].split("==")[0]
+        fetched.append(name)
+        dest = cmd[cmd.index("-d") + 1]
+        os.makedirs(dest, exist_ok=True)
+        with open(wheels[name], "rb") as src, open(
+                os.path.join(dest, wheels[name].name), "wb") as dst:
+            dst.write(src.read())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def fake_materialize(gguf_file, out_dir, gguf_name=None):
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump({"architectures": ["Gemma3ForCausalLM"]}, f)
+        return out_dir
+
+    monkeypatch.setattr(mc.subprocess, "run", fake_pip)
+    monkeypatch.setattr("launch.model_cache.gguf_model.materialize_gguf", fake_materialize)
+    return fetched, b"".join(parts)
+
+
+def test_chunked_models_are_assembled_checked_and_carry_their_terms(chunked_source, capsys):
+    fetched, content = chunked_source
+    from launch.cli.main import main
+    assert main(["download", "chunked"]) == 0
+    out = capsys.readouterr()
+    path = out.out.strip()
+    assert "the terms apply" in out.err
+    assert fetched == ["chunked-pkg", "chunked-pkg-part0", "chunked-pkg-part1"]
+    with open(os.path.join(path, "m.gguf"), "rb") as f:
+        assert f.read() == content
+    assert os.path.isfile(os.path.join(path, "TERMS.html")) and mc.is_cached("chunked")
+    assert _leftovers() == []
+
+
+def test_an_assembled_file_with_another_digest_is_refused(chunked_source, monkeypatch):
+    bad = dataclasses.replace(mc.MODELS["chunked"], gguf_sha256="0" * 64)
+    monkeypatch.setitem(mc.MODELS, "chunked", bad)
+    with pytest.raises(mc.ModelCacheError, match="refusing"):
+        mc.download_model("chunked", progress=False)
+    assert not os.path.exists(mc.model_path("chunked")) and _leftovers() == []
+
+
+def test_gemma3_270m_is_offered_with_its_terms_and_not_by_default(capsys):
+    source = mc.MODELS["gemma3-270m"]
+    assert mc.DEFAULT_MODEL == "smollm2" and "Gemma Terms of Use" in source.terms
+    assert len(source.chunks) == 4 and len(source.gguf_sha256) == 64
+    from launch.cli.main import main
+    for command in (["generate", "--help"], ["download", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command)
+        assert "Gemma Terms of Use" in " ".join(capsys.readouterr().out.split())

@@ -23,15 +23,18 @@ PROMPTS = {
 def generate(model_dir: str, prompts: list[list[int]], *, num_blocks: int = 200,
              block_size: int = 16, budget: int = 512, max_num_seqs: int = 16,
              caching: bool = True, params: SamplingParams | None = None,
-             waves: int = 1, dtype: str = "float32") -> tuple[list[list[int]], Scheduler]:
+             waves: int = 1, dtype: str = "float32", max_model_len: int = 256,
+             quantization: str = "auto") -> tuple[list[list[int]], Scheduler]:
     """Run prompts through Scheduler + ModelRunner; `waves` > 1 submits them in turns, each
     after the previous finished, so later ones can hit the prefix cache of earlier ones."""
     runner = ModelRunner(EngineConfig(model=model_dir, dtype=dtype, block_size=block_size,
-                                      num_gpu_blocks_override=num_blocks, max_model_len=256))
+                                      num_gpu_blocks_override=num_blocks,
+                                      max_model_len=max_model_len, quantization=quantization))
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=256),
-        CacheConfig(block_size, runner.num_blocks, caching))
+                        max_model_len=max_model_len),
+        CacheConfig(block_size, runner.num_blocks, caching,
+                    tuple(runner.sliding_windows) or (0,)))
     scheduler.num_cached_tokens_seen = 0  # prefix-cache hits reported in the outputs
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     tokens: dict[str, list[int]] = {}
@@ -48,7 +51,7 @@ def generate(model_dir: str, prompts: list[list[int]], *, num_blocks: int = 200,
     return [tokens[str(i)] for i in range(len(prompts))], scheduler
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def model(request, tmp_path_factory):
     path = model_dir_for(tmp_path_factory, request.param)
     refs = {name: hf_greedy(path, prompts, MAX_NEW) for name, prompts in PROMPTS.items()}
@@ -77,7 +80,10 @@ def test_prefix_cache_hits(model):
 
 def test_preemption_with_few_blocks(model):
     path, refs = model
-    ours, scheduler = generate(path, PROMPTS["mixed"], num_blocks=14, block_size=8, budget=64)
+    # Gemma 3's blocks hold one of its three layer groups each (one global, two local).
+    num_blocks = 31 if "gemma3" in path else 14
+    ours, scheduler = generate(path, PROMPTS["mixed"], num_blocks=num_blocks, block_size=8,
+                               budget=64)
     assert scheduler.num_preemptions > 0
     assert_greedy_matches(ours, refs["mixed"])
 

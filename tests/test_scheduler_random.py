@@ -65,8 +65,10 @@ def _check_step(so, scheduler, max_tokens: int, max_seqs: int, seen_live: set[in
 class _CheckedWorker(ScriptedWorker):
     """The scripted worker, checking every step message before it runs it."""
 
-    def __init__(self, num_blocks: int, block_size: int, check) -> None:
-        super().__init__(num_blocks, block_size, script=_eos_script)
+    def __init__(self, num_blocks: int, block_size: int, check,
+                 sliding_windows: tuple[int, ...] = (0,)) -> None:
+        super().__init__(num_blocks, block_size, script=_eos_script,
+                         sliding_windows=sliding_windows)
         self.check = check
 
     def submit(self, so) -> None:
@@ -75,20 +77,23 @@ class _CheckedWorker(ScriptedWorker):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("policy,caching,chunked,max_tokens", [
-    ("fcfs", True, True, 24), ("fcfs", False, True, 24), ("priority", True, True, 24),
-    ("fcfs", True, False, 56)])
-def test_random_soak(policy, caching, chunked, max_tokens, async_scheduling):
+@pytest.mark.parametrize("policy,caching,chunked,max_tokens,windows", [
+    ("fcfs", True, True, 24, (0,)), ("fcfs", False, True, 24, (0,)),
+    ("priority", True, True, 24, (0,)), ("fcfs", True, False, 56, (0,)),
+    # Sliding-window groups (Gemma 3's kind): a full group and windows of 5 and 10 tokens.
+    ("fcfs", True, True, 12, (0, 5, 10)), ("priority", False, True, 12, (0, 5))])
+def test_random_soak(policy, caching, chunked, max_tokens, windows, async_scheduling):
     print(f"seed {SEED} (set SOAK_SEED to replay another)")  # pytest shows it on failure
     rng = random.Random(SEED)
-    num_blocks, block_size, max_seqs = 24, 4, 6
+    num_blocks, block_size, max_seqs = 24 * len(windows), 4, 6
     scheduler = make_scheduler(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                                num_blocks=num_blocks, block_size=block_size, policy=policy,
                                enable_prefix_caching=caching, enable_chunked_prefill=chunked,
-                               max_model_len=56, async_scheduling=async_scheduling)
+                               max_model_len=56, async_scheduling=async_scheduling,
+                               sliding_windows=windows)
     seen_live: set[int] = set()
     worker = _CheckedWorker(num_blocks, block_size, lambda so: _check_step(
-        so, scheduler, max_tokens, max_seqs, seen_live))
+        so, scheduler, max_tokens, max_seqs, seen_live), windows)
     engine = EngineCore(scheduler, worker)
     prefixes = [[rng.randint(3, 900) for _ in range(40)] for _ in range(3)]
     finished: dict[str, str] = {}

@@ -24,12 +24,18 @@ class InputBatch:
     preempted: the worker keeps its tokens, only its blocks are gone).
 
     Row r holds `token_ids[r, :num_tokens[r]]` (prompt then outputs; the worker appends its own
-    samples), `num_computed[r]` tokens with KV in `block_table[r, :num_blocks[r]]`.
+    samples), `num_computed[r]` tokens with KV in `block_tables[g, r, :num_blocks[r]]` for each
+    KV layer group g (`block_table` is group 0's). Block ids arrive group-major (each group's
+    part of equal length); a sliding-window group's null blocks (0) stand where blocks left
+    its window, never read.
     """
 
     def __init__(self, max_model_len: int, block_size: int, device: torch.device,
                  rows: int = 16, num_kv_blocks: int | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None,
+                 sliding_windows: tuple[int, ...] = (0,),
+                 layer_groups: tuple[int, ...] = (),
+                 layer_windows: tuple[int, ...] = ()) -> None:
         self.block_size = block_size
         # Bounds on what a step may name, so that no message can make this batch grow without
         # limit or index out of range: block ids below num_kv_blocks, token ids in the
@@ -42,12 +48,20 @@ class InputBatch:
         self.num_tokens = np.zeros(rows, np.int64)
         self.num_prompt_tokens = np.zeros(rows, np.int64)
         self.num_computed = np.zeros(rows, np.int64)
-        self.block_table = np.zeros((rows, self.max_blocks), np.int32)
+        self.sliding_windows = tuple(sliding_windows) or (0,)  # per KV layer group
+        self.layer_groups = layer_groups  # per model layer, its group
+        self.layer_windows = layer_windows  # per model layer, its attention window
+        self.block_tables = np.zeros((len(self.sliding_windows), rows, self.max_blocks), np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
         self.row_of_handle = np.full(rows, -1, np.int64)
         self.request_ids: list[str | None] = [None] * rows
         self.sampling = SamplingTable(rows)
         self._free_rows = list(range(rows))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Group 0's block table [rows, max_blocks]."""
+        return self.block_tables[0]
 
     # --- deltas -----------------------------------------------------------------------------
 
@@ -127,24 +141,34 @@ class InputBatch:
         heapq.heappush(self._free_rows, row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        if start + len(block_ids) > self.max_blocks:
-            raise StepProtocolError(f"{start + len(block_ids)} blocks exceed max_model_len")
-        if block_ids and (min(block_ids) < 1 or self.num_kv_blocks is not None
-                          and max(block_ids) >= self.num_kv_blocks):
-            raise StepProtocolError(f"block ids {min(block_ids)}..{max(block_ids)} are outside "
+        """Append group-major ids: each group's equal share to its table's row."""
+        start, groups = int(self.num_blocks[row]), len(self.sliding_windows)
+        n = len(block_ids) // groups
+        if n * groups != len(block_ids):
+            raise StepProtocolError(f"{len(block_ids)} block ids for {groups} KV layer groups")
+        if start + n > self.max_blocks:
+            raise StepProtocolError(f"{start + n} blocks exceed max_model_len")
+        ids = np.asarray(block_ids, np.int64).reshape(groups, n)
+        # Null blocks only where a window no longer reads (never in a full-attention group).
+        low = np.where(np.asarray(self.sliding_windows) > 0, 0, 1)[:, None]
+        if n and ((ids < low).any() or self.num_kv_blocks is not None
+                  and int(ids.max()) >= self.num_kv_blocks):
+            raise StepProtocolError(f"block ids {int(ids.min())}..{int(ids.max())} are outside "
                                     f"the KV cache (blocks 1..{self.num_kv_blocks})")
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        self.block_tables[:, row, start:start + n] = ids
+        self.num_blocks[row] = start + n
 
     def _grow(self) -> None:
         old = len(self.request_ids)
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed",
-                     "block_table", "num_blocks"):
+                     "num_blocks"):
             array = getattr(self, name)
             grown = np.zeros((2 * old, *array.shape[1:]), array.dtype)
             grown[:old] = array
             setattr(self, name, grown)
+        tables = np.zeros((len(self.sliding_windows), 2 * old, self.max_blocks), np.int32)
+        tables[:, :old] = self.block_tables
+        self.block_tables = tables
         self.request_ids += [None] * old
         self.sampling.grow(2 * old)
         for row in range(old, 2 * old):

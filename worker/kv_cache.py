@@ -45,8 +45,17 @@ def _default_budget(device: torch.device, utilization: float, world_size: int) -
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int,
                       device: torch.device) -> list[KVCache]:
     """Per layer a key and a value tensor [num_blocks, block_size, num_kv_heads, head_size],
-    zeroed so that no slot ever holds a non-finite value it did not compute."""
+    zeroed so that no slot ever holds a non-finite value it did not compute.
+
+    The j-th layer of every layer group shares the j-th pair of tensors (vLLM's hybrid
+    layout): a block id belongs to one group at a time, so its rows hold that group's layers
+    only. With one group, every layer has its own pair."""
     shape = spec.shape(num_blocks, block_size)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)]
+    pairs = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+              torch.zeros(shape, dtype=spec.dtype, device=device))
+             for _ in range(spec.group_size())]
+    caches: list[KVCache | None] = [None] * spec.num_layers
+    for group in spec.groups():
+        for j, layer in enumerate(group.layers):
+            caches[layer] = pairs[j]
+    return caches

@@ -1,6 +1,7 @@
 """Runs steps on one rank: apply the step's deltas, build the flat batch, forward, sample."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -58,7 +59,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization)
         self.weights_summary = weights_summary(self.model, self.quantization)
-        self.kv_cache_spec = self.model.kv_cache_spec()
+        self.kv_cache_spec = dataclasses.replace(
+            self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
         spec = config.speculative_config
@@ -67,14 +69,31 @@ class ModelRunner:
             self.drafter = DraftModelProposer(spec.model, self.model_config, self.dtype,
                                               self.device, self.tp, self.attention,
                                               self.max_model_len, self.sampler.generator)
+        if self.drafter is not None and (self.kv_cache_spec.groups()[0].sliding_window
+                                         or any(self.drafter.kv_cache_spec.sliding_windows)):
+            raise ValueError("a draft model needs full-attention layers in the target (its KV "
+                             "follows their blocks) and none with a sliding window itself")
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
                                            self.block_size, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
+        groups = self.kv_cache_spec.groups()
+        # Each group's window, in the order block ids travel (empty: one full-attention group).
+        self.sliding_windows = ([g.sliding_window for g in groups]
+                                if len(groups) > 1 or groups[0].sliding_window else [])
+        layer_groups = [0] * self.kv_cache_spec.num_layers
+        for g, group in enumerate(groups):
+            for layer in group.layers:
+                layer_groups[layer] = g
         self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
                                       num_kv_blocks=self.num_blocks,
-                                      vocab_size=self.model_config.vocab_size)
+                                      vocab_size=self.model_config.vocab_size,
+                                      sliding_windows=tuple(self.sliding_windows) or (0,),
+                                      layer_groups=tuple(layer_groups),
+                                      layer_windows=tuple(
+                                          self.kv_cache_spec.window(i)
+                                          for i in range(self.kv_cache_spec.num_layers)))
         self.last_step = 0
 
     def _max_model_len(self) -> int:
@@ -89,7 +108,9 @@ class ModelRunner:
         block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
         if self.drafter is not None:  # its cache has the same blocks
             block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
-        max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        groups = len(self.kv_cache_spec.groups())
+        max_useful = (self.config.max_num_seqs * groups
+                      * -(-self.max_model_len // self.block_size) + 1)
         return determine_num_blocks(
             block_bytes, self.device, max_useful=max_useful,
             kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
@@ -107,7 +128,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], step=so.step)
         step = prepare_step(self.input_batch, so)
-        self.attention.plan(step.metadata)
+        for metadata in step.metadata.groups():
+            self.attention.plan(metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         tokens, logprobs = self._sample(so, step, hidden)
         output = _output(step.req_ids, step.sampled, tokens, logprobs, so.step)

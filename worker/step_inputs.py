@@ -1,6 +1,7 @@
 """One step's flat token batch (no padding), built from the persistent batch with numpy."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,23 +69,41 @@ def attention_inputs(batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
                      counts: np.ndarray) -> tuple[np.ndarray, AttentionMetadata]:
     """Positions [sum(counts)] and attention metadata of `counts[i]` tokens of row `rows[i]`
     from position `computed[i]` on, their KV going to the row's slots (any model whose cache
-    has this batch's blocks: the target's, a draft model's)."""
+    has this batch's blocks: the target's, a draft model's). The metadata is KV layer group
+    0's; with several groups, `metadata.for_layer(i)` is layer i's group's (its block table,
+    slots and window)."""
     seq_lens = computed + counts
     ends = np.cumsum(counts)
     req_of_token = np.repeat(np.arange(len(rows)), counts)
     positions = computed[req_of_token] + np.arange(int(ends[-1])) - (ends - counts)[req_of_token]
     token_rows = rows[req_of_token]
     bs = batch.block_size
-    slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
     max_blocks = -(-int(seq_lens.max()) // bs)
     device = batch.device
-    metadata = AttentionMetadata(
-        slot_mapping=_to(slots, device),
-        query_start_loc=_to(np.concatenate(([0], ends)).astype(np.int32), device),
-        seq_lens=_to(seq_lens.astype(np.int32), device),
-        block_table=_to(batch.block_table[rows, :max_blocks], device),
-        max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-        query_lens_cpu=counts.tolist(), seq_lens_cpu=seq_lens.tolist())
+    query_start_loc = _to(np.concatenate(([0], ends)).astype(np.int32), device)
+    seq_lens_t = _to(seq_lens.astype(np.int32), device)
+    query_lens, seq_lens_list = counts.tolist(), seq_lens.tolist()
+    shared: dict = {}
+    groups = []
+    for table, window in zip(batch.block_tables, batch.sliding_windows):
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        groups.append(AttentionMetadata(
+            slot_mapping=_to(slots, device), query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t, block_table=_to(table[rows, :max_blocks], device),
+            max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_list, sliding_window=window,
+            shared=shared))
+    metadata = groups[0]
+    # Per layer: its group's metadata; a layer whose window its group does not have (without
+    # the hybrid manager: all layers share group 0) gets a copy with its window.
+    variants = {(g, m.sliding_window): m for g, m in enumerate(groups)}
+    for g, window in zip(batch.layer_groups, batch.layer_windows):
+        if (g, window) not in variants:
+            variants[(g, window)] = dataclasses.replace(groups[g], sliding_window=window,
+                                                        plan=None)
+    if len(variants) > 1:
+        metadata.by_layer = [variants[(g, w)]
+                             for g, w in zip(batch.layer_groups, batch.layer_windows)]
     return positions, metadata
 
 

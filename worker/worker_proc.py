@@ -98,7 +98,7 @@ class WorkerProc:
                                str(runner.device), runner.attention.name,
                                runner.model_config.vocab_size,
                                str(runner.dtype).removeprefix("torch."),
-                               runner.weights_summary))
+                               runner.weights_summary, runner.sliding_windows))
         return runner
 
     def _serve(self, runner: ModelRunner) -> int:

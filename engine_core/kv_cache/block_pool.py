@@ -7,18 +7,29 @@ from engine_core.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 from engine_core.kv_cache.kv_event_log import KVEventLog
 from protocol.kv_events import KVEvent
 
+HASH_BYTES = 16  # hash_block_tokens' digest: a key of this length is group 0's
+
 
 class IntegrityError(RuntimeError):
     """The block pool's bookkeeping is inconsistent."""
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """A block hash qualified by its layer group: groups hold different layers' KV for the
+    same tokens, so each publishes its own block under its own key (group 0's is the hash
+    itself, so a one-group model's keys, and all KV events, are the plain hashes)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
 class BlockPool:
-    """Owns every block's metadata.
+    """Owns every block's metadata; the blocks of all layer groups come from this one pool
+    (a block is one group's KV of `block_size` tokens).
 
     Invariants (audited by `check_integrity`): block 0 is the null block, never allocated,
-    counted or hashed; a block is in the free list iff its `ref_cnt` is 0; `block_hash` is set
-    iff the block is the value of that hash in `cached_block_hash_to_block` (one block per
-    hash: a block whose hash is already published stays unpublished).
+    counted or hashed (a sliding-window group's list holds it where blocks left the window);
+    a block is in the free list iff its `ref_cnt` is 0; `block_hash` is set iff the block is
+    the value of that key in `cached_block_hash_to_block` (one block per key: a block whose
+    key is already published stays unpublished).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -51,8 +62,8 @@ class BlockPool:
         """Fraction of usable blocks in use (the null block excluded)."""
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(group_key(block_hash, group))
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take n blocks from the head of the free list, evicting their old hashes."""
@@ -61,7 +72,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
-                if evicted is not None:
+                if evicted is not None and len(block.block_hash) == HASH_BYTES:  # group 0
                     evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
@@ -70,30 +81,37 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-cache hits; a hit that was free leaves the free list."""
+        """Take a reference on prefix-cache hits; a hit that was free leaves the free list.
+        Null blocks (a sliding window's skipped ones) are nobody's: left alone."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the tail of the free list in order."""
+        """Drop one reference each; blocks reaching 0 join the tail of the free list in order
+        (null blocks are skipped)."""
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
                           num_cached: int, num_full: int, token_ids: list[int] = (),
-                          extra_keys: tuple[int | str, ...] = ()) -> None:
-        """Publish `blocks[num_cached:num_full]` under `block_hashes[num_cached:num_full]`
-        (`token_ids`, the sequence's tokens, and its hash `extra_keys` only go into KV
-        events)."""
+                          extra_keys: tuple[int | str, ...] = (), group: int = 0) -> None:
+        """Publish layer group `group`'s `blocks[num_cached:num_full]` under
+        `block_hashes[num_cached:num_full]` (`token_ids`, the sequence's tokens, and its hash
+        `extra_keys` only go into KV events, which group 0 alone reports: a prefix is cached
+        where group 0 holds it). Null blocks are skipped."""
         table = self.cached_block_hash_to_block
-        published = [] if self.kv_events is not None else None
+        published = [] if self.kv_events is not None and group == 0 else None
         for i in range(num_cached, num_full):
-            block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is None and block_hash not in table:
+            block, block_hash = blocks[i], group_key(block_hashes[i], group)
+            if block.block_hash is None and not block.is_null and block_hash not in table:
                 block.block_hash = block_hash
                 table[block_hash] = block
                 if published is not None:

@@ -48,11 +48,15 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size  # when known, prompts with ids beyond it are refused
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
-        # A sequence longer than this cannot be computed even with the whole cache.
-        self.max_seq_len = min(self.max_model_len,
-                               self.kv_cache_manager.num_usable_blocks * self.block_size + 1)
+        lookahead = (scheduler_config.speculative_config.num_speculative_tokens
+                     if scheduler_config.speculative_config is not None else 0)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.sliding_windows, scheduler_config.max_num_batched_tokens + lookahead)
+        # The longest sequence whose KV the whole cache holds (per layer group, as its
+        # window allows); one token more can still be sampled after it.
+        self.max_kv_tokens = self.kv_cache_manager.max_sequence_tokens(self.max_model_len)
+        self.max_seq_len = min(self.max_model_len, self.max_kv_tokens + 1)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -78,7 +82,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         check_prompt(request.prompt_token_ids, self.max_model_len,
-                     self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size)
+                     self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size,
+                     self.max_kv_tokens if len(self.kv_cache_manager.groups) > 1 else 0)
         if request.status not in _QUEUED or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
         request.length_end = min(request.length_end, self.max_seq_len)

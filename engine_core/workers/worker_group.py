@@ -42,6 +42,7 @@ class WorkerCapacity:
     attention_backend: str
     dtype: str = ""
     quantization: str = ""
+    sliding_windows: tuple[int, ...] = ()  # per KV layer group (empty: one full group)
 
 
 class WorkerGroup:
@@ -104,7 +105,7 @@ class WorkerGroup:
                               min(m.max_model_len for m in ready.values()),
                               min(m.vocab_size for m in ready.values()),
                               ready[0].attention_backend, ready[0].dtype,
-                              ready[0].quantization)
+                              ready[0].quantization, tuple(ready[0].sliding_windows))
 
     def _rendezvous(self, all_local: bool) -> str:
         """Where the ranks' torch.distributed group meets: a file in the private runtime

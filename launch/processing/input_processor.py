@@ -112,7 +112,7 @@ class InputProcessor:
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         ready = self.ready
         check_prompt(token_ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
-                     ready.vocab_size)
+                     ready.vocab_size, ready.max_kv_tokens)
         if params.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:

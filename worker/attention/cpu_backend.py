@@ -27,17 +27,23 @@ class _CpuPlan:
     slot_mapping: torch.Tensor
 
 
-def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int) -> np.ndarray:
+def tile_work_items(query_lens: list[int], seq_lens: list[int], group: int,
+                    window: int = 0) -> np.ndarray:
     """[num_items, 3] int32 rows (request, j0, j1): query tiles of at most TILE_ROWS rows,
     the most expensive first (keys x rows), so dynamic scheduling balances the threads."""
-    q, s = np.asarray(query_lens, np.int64), np.asarray(seq_lens, np.int64)
     tile = max(1, TILE_ROWS // group)
+    if len(query_lens) == 1 and query_lens[0] <= tile:  # one decode row or short chunk
+        return np.array([[0, 0, query_lens[0]]], np.int32)
+    q, s = np.asarray(query_lens, np.int64), np.asarray(seq_lens, np.int64)
     tiles = -(-q // tile)
     req = np.repeat(np.arange(len(q)), tiles)
     first = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     j0 = first * tile
     j1 = np.minimum(j0 + tile, q[req])
-    cost = (s[req] - q[req] + j1) * (j1 - j0)
+    keys = s[req] - q[req] + j1
+    if window:
+        keys = np.minimum(keys, window + j1 - j0)
+    cost = keys * (j1 - j0)
     order = np.argsort(-cost, kind="stable")
     return np.stack([req, j0, j1], axis=1)[order].astype(np.int32)
 
@@ -74,7 +80,7 @@ class CpuAttentionBackend:
             plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
             plan.block_table.data_ptr(), plan.block_table.stride(0), plan.items.data_ptr(),
             plan.items.shape[0], out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
-            scale, torch.get_num_threads())
+            scale, torch.get_num_threads(), metadata.sliding_window)
         if status:
             raise RuntimeError(f"cpu_paged_attention rejected its arguments (status {status})")
         return out
@@ -99,13 +105,22 @@ def cpu_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:
 
 
 def _make_plan(metadata: AttentionMetadata, group: int) -> _CpuPlan:
+    """What differs between a step's KV groups (block table, slots) per group; the work
+    items and the request columns once per step (`metadata.shared`), per distinct window."""
     def host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to("cpu", dtype).contiguous()
 
     table = metadata.block_table.to("cpu", torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
-    items = tile_work_items(metadata.query_lens_cpu, metadata.seq_lens_cpu, group)
-    return _CpuPlan(group, torch.from_numpy(items), host(metadata.query_start_loc, torch.int32),
-                    host(metadata.seq_lens, torch.int32), table,
-                    host(metadata.slot_mapping, torch.int64))
+    shared = metadata.shared
+    window = metadata.sliding_window if metadata.sliding_window < metadata.max_seq_len else 0
+    items = shared.get(("cpu-items", group, window))
+    if items is None:
+        items = shared[("cpu-items", group, window)] = torch.from_numpy(tile_work_items(
+            metadata.query_lens_cpu, metadata.seq_lens_cpu, group, window))
+    rows = shared.get("cpu-rows")
+    if rows is None:
+        rows = shared["cpu-rows"] = (host(metadata.query_start_loc, torch.int32),
+                                     host(metadata.seq_lens, torch.int32))
+    return _CpuPlan(group, items, *rows, table, host(metadata.slot_mapping, torch.int64))

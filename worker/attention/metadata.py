@@ -17,7 +17,14 @@ class AttentionMetadata:
     were computed earlier (prefix-cache hits, earlier chunks, earlier decodes) and are read
     from the cache through `block_table[i]`. Query token j sits at absolute position
     `context_len + j` and attends keys `[0, context_len + j]` (causal, bottom-right aligned).
-    Decode rows are just requests with `query_len == 1`.
+    Decode rows are just requests with `query_len == 1`. With `sliding_window` w > 0, query
+    token j attends keys `[max(0, context_len + j - w + 1), context_len + j]` only, and the
+    block table's entries before those keys' blocks may be stale or the null block (never
+    read).
+
+    A model whose layers keep their KV in several groups (sliding-window and full-attention
+    layers) gets one metadata per group, differing in `slot_mapping`, `block_table` and
+    `sliding_window`; `for_layer(i)` is layer i's.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset; < 0 skips
@@ -29,6 +36,22 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies, so backends never sync to read them
     seq_lens_cpu: list[int]
     plan: Any = field(default=None)  # the backend's per-step preparation, reused by all layers
+    sliding_window: int = 0  # 0: full attention
+    by_layer: list[AttentionMetadata] | None = None  # per layer, where groups differ
+    # Per-step preparation the groups' backends share (one dict for all of a step's groups).
+    shared: dict[Any, Any] = field(default_factory=dict)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self if self.by_layer is None else self.by_layer[layer]
+
+    def groups(self) -> list[AttentionMetadata]:
+        """Every distinct group's metadata (this one first)."""
+        if self.by_layer is None:
+            return [self]
+        seen = {id(self): self}
+        for m in self.by_layer:
+            seen.setdefault(id(m), m)
+        return list(seen.values())
 
     @property
     def num_reqs(self) -> int:

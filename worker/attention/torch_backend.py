@@ -25,9 +25,9 @@ class _DecodeGroup:
 class _Prefill:
     start: int
     end: int
-    blocks: torch.Tensor  # the request's blocks, covering positions 0..seq_len-1
-    seq_len: int
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when there is no context
+    blocks: torch.Tensor  # the request's blocks from the first one a key is read from
+    length: int  # keys read: positions [first_block * block_size, seq_len)
+    mask: torch.Tensor | None  # [query_len, length] bool, None when plainly causal
 
 
 @dataclass(slots=True)
@@ -65,8 +65,8 @@ class TorchAttentionBackend:
             out[group.rows] = _decode(query[group.rows], k_cache, v_cache, group, scale)
         for p in plan.prefills:
             q = query[p.start:p.end].transpose(0, 1)  # [num_heads, query_len, head_dim]
-            k = _gather(k_cache, p.blocks)[:p.seq_len].transpose(0, 1)  # [kv_heads, seq, dim]
-            v = _gather(v_cache, p.blocks)[:p.seq_len].transpose(0, 1)
+            k = _gather(k_cache, p.blocks)[:p.length].transpose(0, 1)  # [kv_heads, keys, dim]
+            v = _gather(v_cache, p.blocks)[:p.length].transpose(0, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask,
                                                is_causal=p.mask is None, scale=scale,
                                                enable_gqa=True)
@@ -107,24 +107,31 @@ def _make_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _TorchPlan
     plan = _TorchPlan(has_padding=bool((metadata.slot_mapping < 0).any()))
     query_lens = np.asarray(metadata.query_lens_cpu)
     starts = np.concatenate(([0], np.cumsum(query_lens)))
+    window = metadata.sliding_window
     for i in np.flatnonzero(query_lens > 1).tolist():
         query_len, seq_len = int(query_lens[i]), metadata.seq_lens_cpu[i]
         context = seq_len - query_len
+        first = max(0, context - window + 1) // block_size if window else 0
         mask = None
-        if context:
-            key_pos = torch.arange(seq_len, device=device)
-            mask = key_pos[None, :] <= (context + torch.arange(query_len, device=device))[:, None]
-        blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
+        if context or window:
+            key_pos = torch.arange(first * block_size, seq_len, device=device)[None, :]
+            query_pos = (context + torch.arange(query_len, device=device))[:, None]
+            mask = key_pos <= query_pos
+            if window:
+                mask &= key_pos > query_pos - window
+        blocks = metadata.block_table[i, first:-(-seq_len // block_size)].long()
         plan.prefills.append(_Prefill(int(starts[i]), int(starts[i]) + query_len, blocks,
-                                      seq_len, mask))
+                                      seq_len - first * block_size, mask))
     decodes = np.flatnonzero(query_lens == 1)
     if len(decodes):
-        plan.decodes = _decode_groups(metadata, decodes, starts, k_cache)
+        plan.decodes = _decode_groups(metadata, decodes, starts, k_cache, window)
     return plan
 
 
 def _decode_groups(metadata: AttentionMetadata, reqs: np.ndarray, starts: np.ndarray,
-                   k_cache: torch.Tensor) -> list[_DecodeGroup]:
+                   k_cache: torch.Tensor, window: int) -> list[_DecodeGroup]:
+    """Decode rows in groups; keys outside a row's window (past its end, or before the
+    sliding window) are masked, and blocks holding none of its keys read the null block."""
     block_size, per_token = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
     seq_lens = np.asarray(metadata.seq_lens_cpu)[reqs]
     num_blocks = -(-int(seq_lens.max()) // block_size)
@@ -138,6 +145,8 @@ def _decode_groups(metadata: AttentionMetadata, reqs: np.ndarray, starts: np.nda
         seq = torch.from_numpy(seq_lens[g:g + group_size]).to(device)
         table = metadata.block_table[torch.from_numpy(members).to(device), :num_blocks].long()
         valid = pos[None, :] < seq[:, None]
+        if window:
+            valid &= pos[None, :] >= seq[:, None] - window
         # Stale slots: past seq_len but inside a request's own (last) block.
         stale = ~valid & (pos[None, :] < (-(-seq // block_size) * block_size)[:, None])
         groups.append(_DecodeGroup(

@@ -1,7 +1,11 @@
-// A Llama decoder's layers over a few token rows in one call and one OpenMP parallel region:
-// the per-layer sequence of the Python layer loop (worker/models/llama.py), each step a call
-// of the same kernel the loop would make, so the results are the loop's bit for bit. What it
-// saves is the loop's per-layer cost: ~9 ctypes calls, their allocations and parallel regions.
+// A decoder's layers over a few token rows in one call and one OpenMP parallel region: the
+// per-layer sequence of the Python layer loop (worker/models/llama.py, gemma3.py), each step a
+// call of the same kernel the loop would make, so the results are the loop's bit for bit. What
+// it saves is the loop's per-layer cost: ~9-13 ctypes calls, their allocations and parallel
+// regions. A layer is Llama's (norm, q/k/v, rotary, attention, o, norm, gate/up, silu, down)
+// or, where its optional parts are set, Gemma 3's: q/k head norms after q/k/v, a norm of the
+// attention output and of the MLP output before each is added, GELU-tanh, and its own rotary
+// table and KV group (block table, slots, sliding window).
 //
 // The kernels live in their own libraries (cpu_ops, gguf_matmul, cpu_paged_attention) and
 // are reached through the function pointers in Kernels. Each is called by every thread of
@@ -19,6 +23,9 @@
 //   Linear: W [N, K] as segments of output rows [start, stop), each a GGUF matrix (qtype,
 //   row bytes at w + r * w_stride); `scale` (may be null) multiplies output column n by
 //   scale[n] afterwards (weight-only int8's row scales).
+//   cos/sin [max_position, head_dim] float32: the layer's rotary table.
+//   Group g (a layer's KV group): its slot_mapping [m], block_table [requests, bt_stride],
+//   attention work items, and sliding window (0: full attention).
 #include <cstdint>
 
 namespace {
@@ -28,12 +35,15 @@ using MatmulFn = int (*)(int, const void*, int64_t, const float*, int64_t, float
 using NormFn = int (*)(int, int, void*, int64_t, const void*, int64_t, float*, int64_t,
                        const float*, int64_t, int64_t, float, int);
 using SiluFn = int (*)(int, void*, int64_t, const void*, int64_t, int64_t, int64_t, int);
+using HeadNormFn = int (*)(int, void*, int64_t, int, int64_t, const float*, int64_t, float, int);
 using RopeFn = int (*)(int, const int64_t*, void*, int64_t, int, void*, int64_t, int, int64_t,
                        int, const float*, const float*, int64_t, int);
 using AttentionFn = int (*)(int, const void*, int64_t, const void*, int64_t, const void*,
                             int64_t, void*, void*, const int64_t*, int64_t, const int32_t*,
                             const int32_t*, const int32_t*, int64_t, const int32_t*, int64_t,
-                            void*, int, int, int, int, float, int);
+                            void*, int, int, int, int, float, int, int);
+
+constexpr int MAX_GROUPS = 8;
 
 constexpr int MAX_SEGMENTS = 4;
 constexpr int F32 = 0;   // cpu_dtypes.h's dtype code
@@ -44,6 +54,7 @@ constexpr int TEAM = 0;  // num_threads: a step of the enclosing region
 // Mirrored by ctypes Structures in worker/native/cpu_decoder.py (same order and types).
 struct Kernels {
     MatmulFn matmul; NormFn norm; SiluFn silu; RopeFn rope; AttentionFn attention;
+    SiluFn gelu_tanh; HeadNormFn head_norm;
 };
 struct Segment {
     int64_t qtype; const void* w; int64_t w_stride; int64_t start, stop;
@@ -52,19 +63,29 @@ struct Linear {
     int64_t k; const float* scale; int64_t num_segments; Segment segments[MAX_SEGMENTS];
 };
 struct Layer {
-    const float* input_norm; const float* post_norm;
+    const float* input_norm; const float* post_norm;  // post_norm: before the MLP
     Linear qkv, o, gate_up, down;
     void* k_cache; void* v_cache;
+    // Optional (null: a Llama layer's): q/k head norms, norms of the attention and MLP
+    // outputs before they are added.
+    const float* q_norm; const float* k_norm; const float* attn_out_norm;
+    const float* mlp_out_norm;
+    const float* cos; const float* sin;
+    int64_t group;  // its KV group in Step::groups
 };
 struct Model {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
     float eps, scale;
-    const float* cos; const float* sin;
+    int64_t gelu;  // the MLP's activation: 0 silu, 1 gelu (tanh approximation)
+};
+struct Group {
+    const int64_t* slot_mapping; const int32_t* block_table; int64_t bt_stride;
+    const int32_t* items; int64_t num_items; int64_t window;
 };
 struct Step {
     int64_t m; const int64_t* positions;
-    const int64_t* slot_mapping; const int32_t* query_start_loc; const int32_t* seq_lens;
-    const int32_t* block_table; int64_t bt_stride; const int32_t* items; int64_t num_items;
+    const int32_t* query_start_loc; const int32_t* seq_lens;
+    int64_t num_groups; Group groups[MAX_GROUPS];
     float* residual; float* pending; float* h; float* qkv; float* attn; float* gate_up;
     float* act;
 };
@@ -102,7 +123,15 @@ int add_and_norm(const Kernels& f, const Model& d, const Step& s, const float* x
     return f.norm(F32, F32, s.h, hd, x, hd, s.residual, hd, weight, s.m, hd, d.eps, TEAM);
 }
 
-// q/k rotated in place, the step's K/V written to their slots, attn = attention(q, K, V).
+// x [m, hidden] normalized in place (no residual).
+int norm_in_place(const Kernels& f, const Model& d, const Step& s, float* x,
+                  const float* weight) {
+    return f.norm(F32, F32, x, d.hidden, x, d.hidden, nullptr, 0, weight, s.m, d.hidden, d.eps,
+                  TEAM);
+}
+
+// q/k head-normed (if the layer has the norms) and rotated in place, the step's K/V written
+// to their slots, attn = attention(q, K, V) over the layer's KV group.
 int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
     const int64_t width = qkv_width(d);
     float* q = s.qkv;
@@ -110,13 +139,20 @@ int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
     float* v = k + d.num_kv_heads * d.head_dim;
     const int nh = static_cast<int>(d.num_heads), nkv = static_cast<int>(d.num_kv_heads);
     const int hd = static_cast<int>(d.head_dim);
-    int status = f.rope(F32, s.positions, q, width, nh, k, width, nkv, s.m, hd, d.cos, d.sin,
+    int status = 0;
+    if (l.q_norm) status = f.head_norm(F32, q, width, nh, hd, l.q_norm, s.m, d.eps, TEAM);
+    if (!status && l.k_norm)
+        status = f.head_norm(F32, k, width, nkv, hd, l.k_norm, s.m, d.eps, TEAM);
+    if (!status)
+        status = f.rope(F32, s.positions, q, width, nh, k, width, nkv, s.m, hd, l.cos, l.sin,
                         d.max_position, TEAM);
     if (status) return status;
-    return f.attention(F32, q, width, k, width, v, width, l.k_cache, l.v_cache, s.slot_mapping,
-                       s.m, s.query_start_loc, s.seq_lens, s.block_table, s.bt_stride, s.items,
-                       s.num_items, s.attn, nh, nkv, hd, static_cast<int>(d.block_size),
-                       d.scale, TEAM);
+    if (l.group < 0 || l.group >= s.num_groups) return 1;
+    const Group& g = s.groups[l.group];
+    return f.attention(F32, q, width, k, width, v, width, l.k_cache, l.v_cache, g.slot_mapping,
+                       s.m, s.query_start_loc, s.seq_lens, g.block_table, g.bt_stride, g.items,
+                       g.num_items, s.attn, nh, nkv, hd, static_cast<int>(d.block_size),
+                       d.scale, TEAM, static_cast<int>(g.window));
 }
 
 // One decoder layer; `pending` holds the previous layer's MLP output (first: nothing).
@@ -128,10 +164,14 @@ int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& 
     if (!status) status = linear(f, l.qkv, s.h, hidden, s.qkv, width, m);
     if (!status) status = attention(f, d, l, s);
     if (!status) status = linear(f, l.o, s.attn, attn_width, s.pending, hidden, m);
+    if (!status && l.attn_out_norm) status = norm_in_place(f, d, s, s.pending, l.attn_out_norm);
     if (!status) status = add_and_norm(f, d, s, s.pending, l.post_norm);
     if (!status) status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
-    if (!status) status = f.silu(F32, s.act, inter, s.gate_up, 2 * inter, m, inter, TEAM);
+    if (!status)
+        status = (d.gelu ? f.gelu_tanh : f.silu)(F32, s.act, inter, s.gate_up, 2 * inter, m,
+                                                  inter, TEAM);
     if (!status) status = linear(f, l.down, s.act, inter, s.pending, hidden, m);
+    if (!status && l.mlp_out_norm) status = norm_in_place(f, d, s, s.pending, l.mlp_out_norm);
     return status;
 }
 

@@ -1,5 +1,6 @@
-// Small fused CPU ops of the Llama decoder layer: RMSNorm (optionally with the residual add
-// fused in), silu_and_mul and rotary embedding. Called through ctypes (worker/cpu_ops.py)
+// Small fused CPU ops of the decoder layers: RMSNorm (optionally with the residual add fused
+// in, or over each head of q/k in place), silu_and_mul, gelu_tanh_and_mul and rotary
+// embedding. Called through ctypes (worker/cpu_ops.py)
 // with raw pointers; each returns 0, or a nonzero status when it rejects its arguments.
 //
 // Dtype codes (worker/cpu_kernel_library.py DTYPE_CODES): 0 float32, 1 bfloat16, 2 float16.
@@ -7,7 +8,10 @@
 //   rms_norm      x [tokens, hidden] (x_stride), residual [tokens, hidden] float32
 //                 (residual_stride, optional), weight [hidden] float32, out [tokens, hidden]
 //                 (out_stride)
-//   silu_and_mul  x [tokens, 2 * d] (x_stride) = [gate | up], out [tokens, d] (out_stride)
+//   head_rms_norm x [tokens, heads, head_dim] (x_stride; heads contiguous), in place,
+//                 weight [head_dim] float32
+//   silu_and_mul  x [tokens, 2 * d] (x_stride) = [gate | up], out [tokens, d] (out_stride);
+//                 gelu_tanh_and_mul likewise
 //   rotary        q [tokens, num_heads, head_dim] (q_stride; heads contiguous), k likewise
 //                 with num_kv_heads; positions [tokens] int64; cos/sin [max_position,
 //                 head_dim] float32, contiguous
@@ -57,6 +61,16 @@ void for_each_token(int64_t num_tokens, int64_t work, int num_threads, const F& 
 inline float silu(float x) {
     const float e = exp_nonpositive(x < 0.0f ? x : -x);
     return x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
+}
+
+// gelu with the tanh approximation (torch's approximate="tanh"):
+// 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2y) =
+// x / (1 + e) for y >= 0 and x e / (1 + e) for y < 0, e = exp(-2|y|): no overflow and no
+// cancellation in 1 + tanh(y) (torch's form loses bits there, so ours is the closer one).
+inline float gelu_tanh(float x) {
+    const float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
+    return x * ((y < 0.0f ? e : 1.0f) / (1.0f + e));
 }
 
 // ---- RMSNorm -----------------------------------------------------------------------------
@@ -124,23 +138,53 @@ int rms_norm_dispatch_out(int out_dtype, const NormArgs& a) {
     }
 }
 
-// ---- silu_and_mul ------------------------------------------------------------------------
-
+// Every head of every token normalized in place (q/k norms).
 template <class T>
-void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
+void head_rms_norm(T* x, int64_t x_stride, int heads, int64_t head_dim, const float* weight,
+                   int64_t num_tokens, float eps, int num_threads) {
+    for_each_token(num_tokens, num_tokens * heads * head_dim, num_threads, [&](int64_t t) {
+        for (int h = 0; h < heads; ++h) {
+            T* row = x + t * x_stride + h * head_dim;
+            rms_norm_row<T, T, false>(row, nullptr, weight, row, head_dim, eps);
+        }
+    });
+}
+
+// ---- silu_and_mul, gelu_tanh_and_mul -----------------------------------------------------
+
+template <class T, float (*Act)(float)>
+void act_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) out[i] = from_float<T>(silu(to_float(gate[i]))
+    for (int64_t i = 0; i < d; ++i) out[i] = from_float<T>(Act(to_float(gate[i]))
                                                            * to_float(up[i]));
 }
 
-template <class T>
-void silu_and_mul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t num_tokens,
-                  int64_t d, int num_threads) {
+template <float (*Act)(float), class T>
+void act_and_mul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t num_tokens,
+                 int64_t d, int num_threads) {
     // ~4 element-operations per output: the exponential dominates
     for_each_token(num_tokens, 4 * num_tokens * d, num_threads, [&](int64_t t) {
         const T* gate = x + t * x_stride;
-        silu_and_mul_row(gate, gate + d, out + t * out_stride, d);
+        act_and_mul_row<T, Act>(gate, gate + d, out + t * out_stride, d);
     });
+}
+
+template <float (*Act)(float)>
+int act_and_mul_dispatch(int dtype, void* out, int64_t out_stride, const void* x,
+                         int64_t x_stride, int64_t num_tokens, int64_t d, int num_threads) {
+    if (d <= 0 || num_tokens < 0 || num_threads < 0) return 1;
+    switch (dtype) {
+        case 0: act_and_mul<Act>(static_cast<float*>(out), out_stride,
+                                 static_cast<const float*>(x), x_stride, num_tokens, d,
+                                 num_threads); return 0;
+        case 1: act_and_mul<Act>(static_cast<bf16*>(out), out_stride,
+                                 static_cast<const bf16*>(x), x_stride, num_tokens, d,
+                                 num_threads); return 0;
+        case 2: act_and_mul<Act>(static_cast<half_t*>(out), out_stride,
+                                 static_cast<const half_t*>(x), x_stride, num_tokens, d,
+                                 num_threads); return 0;
+        default: return 1;
+    }
 }
 
 // ---- rotary embedding --------------------------------------------------------------------
@@ -216,15 +260,29 @@ int cpu_rms_norm(int in_dtype, int out_dtype, void* out, int64_t out_stride, con
 __attribute__((visibility("default")))
 int cpu_silu_and_mul(int dtype, void* out, int64_t out_stride, const void* x, int64_t x_stride,
                      int64_t num_tokens, int64_t d, int num_threads) {
-    if (d <= 0 || num_tokens < 0 || num_threads < 0) return 1;
+    return act_and_mul_dispatch<silu>(dtype, out, out_stride, x, x_stride, num_tokens, d,
+                                      num_threads);
+}
+
+__attribute__((visibility("default")))
+int cpu_gelu_tanh_and_mul(int dtype, void* out, int64_t out_stride, const void* x,
+                          int64_t x_stride, int64_t num_tokens, int64_t d, int num_threads) {
+    return act_and_mul_dispatch<gelu_tanh>(dtype, out, out_stride, x, x_stride, num_tokens, d,
+                                           num_threads);
+}
+
+// x [tokens, heads, head_dim] (token stride x_stride, heads contiguous) normalized in place.
+__attribute__((visibility("default")))
+int cpu_head_rms_norm(int dtype, void* x, int64_t x_stride, int heads, int64_t head_dim,
+                      const float* weight, int64_t num_tokens, float eps, int num_threads) {
+    if (head_dim <= 0 || heads < 0 || num_tokens < 0 || num_threads < 0) return 1;
     switch (dtype) {
-        case 0: silu_and_mul(static_cast<float*>(out), out_stride, static_cast<const float*>(x),
-                             x_stride, num_tokens, d, num_threads); return 0;
-        case 1: silu_and_mul(static_cast<bf16*>(out), out_stride, static_cast<const bf16*>(x),
-                             x_stride, num_tokens, d, num_threads); return 0;
-        case 2: silu_and_mul(static_cast<half_t*>(out), out_stride,
-                             static_cast<const half_t*>(x), x_stride, num_tokens, d,
-                             num_threads); return 0;
+        case 0: head_rms_norm(static_cast<float*>(x), x_stride, heads, head_dim, weight,
+                              num_tokens, eps, num_threads); return 0;
+        case 1: head_rms_norm(static_cast<bf16*>(x), x_stride, heads, head_dim, weight,
+                              num_tokens, eps, num_threads); return 0;
+        case 2: head_rms_norm(static_cast<half_t*>(x), x_stride, heads, head_dim, weight,
+                              num_tokens, eps, num_threads); return 0;
         default: return 1;
     }
 }

@@ -11,10 +11,13 @@
 //   the request's rows; work unit = (item, kv head), so a K/V row is read once per group of
 //   num_heads / num_kv_heads query heads (GQA) and query tile.
 // Query token j of a request with seq_len s and query_len n attends keys [0, s - n + j]
-// (causal, bottom-right aligned). Keys at or past a tile's limit (its last row's) are never
-// read, so slots past seq_len (stale or poisoned) never reach the arithmetic; within a tile, a
-// key past a row's own limit never reaches that row (its score is replaced by -inf with a
-// select, its V row is not added). Accumulation is fp32 with an online softmax over chunks
+// (causal, bottom-right aligned), or with a sliding window w > 0 only the last w of them,
+// [s - n + j - w + 1, s - n + j]. Keys at or past a tile's limit (its last row's) and before
+// its first row's window are never read, so slots past seq_len (stale or poisoned) and blocks
+// that left the window (stale, reused or the null block) never reach the arithmetic; within
+// a tile, a key outside a row's own range never reaches that row (its score is replaced by
+// -inf with a select; a V row it does not see is not added, or added with weight 0 when it
+// lies in the tile's range, where every value is a computed one). Accumulation is fp32 with an online softmax over chunks
 // of 16 key positions (cpu_paged_attention_tile.h).
 //
 // Threads: one OpenMP parallel region per call (or, with num_threads = 0, a step of the
@@ -49,6 +52,7 @@ struct Params {
     void* out;
     int num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int sliding_window;  // 0: full attention
 };
 
 #include "cpu_paged_attention_simd.h"
@@ -100,6 +104,7 @@ int dispatch_dim(const Params& p, int num_threads) {
     switch (p.head_dim) {
         case 64: run<T, 64>(p, num_threads); return 0;
         case 128: run<T, 128>(p, num_threads); return 0;
+        case 256: run<T, 256>(p, num_threads); return 0;
         default: run<T, 0>(p, num_threads); return 0;
     }
 }
@@ -113,12 +118,14 @@ int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* 
                         const int32_t* query_start_loc, const int32_t* seq_lens,
                         const int32_t* block_table, int64_t bt_stride, const int32_t* items,
                         int64_t num_items, void* out, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int num_threads) {
-    if (num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_threads < 0)
+                        int head_dim, int block_size, float scale, int num_threads,
+                        int sliding_window) {
+    if (num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_threads < 0
+        || sliding_window < 0)
         return 1;
     Params p{q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
              query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out,
-             num_heads, num_kv_heads, head_dim, block_size, scale};
+             num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window};
     switch (dtype) {  // worker/cpu_attention.py: _DTYPE_CODES
         case 0: return dispatch_dim<float>(p, num_threads);
         case 1: return dispatch_dim<bf16>(p, num_threads);

@@ -14,8 +14,11 @@ class KeyChunks {
 public:
     struct Peek { int64_t offsets[KC]; int n; };
 
-    KeyChunks(const int32_t* table, int block_size, int64_t kv_row, int64_t head_offset)
-        : table_(table), block_size_(block_size), kv_row_(kv_row), head_offset_(head_offset) {}
+    // Starting at key position `first`.
+    KeyChunks(const int32_t* table, int block_size, int64_t kv_row, int64_t head_offset,
+              int first)
+        : table_(table), block_size_(block_size), kv_row_(kv_row), head_offset_(head_offset),
+          block_(first / block_size), in_block_(first % block_size) {}
 
     void next(int n) {  // offsets of the next n (<= KC) positions; advances past them
         fill(offsets, n, block_, in_block_);
@@ -41,7 +44,7 @@ private:
     const int32_t* table_;
     const int block_size_;
     const int64_t kv_row_, head_offset_;
-    int block_ = 0, in_block_ = 0;
+    int block_, in_block_;
 };
 
 // kt[d * KC + t] = k row t, element d, for t < n (rows off[t] of the cache); zeros for
@@ -194,12 +197,13 @@ struct SoftmaxState {
     const float* acc_rows(int m) const { return acc.data() + m * acc_stride; }
     const float* p_rows(int m) const { return p.data() + static_cast<size_t>(m) * KC; }
 
-    // Row m's scores s of the chunk, of which the first `visible` count: writes p, folds
-    // them into the running sum, and returns alpha, the factor rescaling the row's
-    // accumulator to the new max (1 when the max stays). Row m's first chunk has visible >= 1.
-    float update(int m, const Vec (&s)[NK], int visible) {
+    // Row m's scores s of the chunk, of which those in [hidden, visible) count (before
+    // `hidden`: outside its sliding window): writes p (0 for the others), folds them into the
+    // running sum, and returns alpha, the factor rescaling the row's accumulator to the new
+    // max (1 when the max stays). Row m's first chunk with hidden < visible starts its sums.
+    float update(int m, const Vec (&s)[NK], int hidden, int visible) {
         float* pm = p.data() + static_cast<size_t>(m) * KC;
-        if (visible == 0) {
+        if (visible <= hidden) {
             std::fill(pm, pm + KC, 0.0f);
             return 1.0f;
         }
@@ -207,7 +211,8 @@ struct SoftmaxState {
         Vec masked[NK];
         float block_max = -std::numeric_limits<float>::infinity();
         for (int j = 0; j < NK; ++j) {
-            masked[j] = lane_index() + j * W < visible ? s[j] : minus_inf;
+            const VecI lane = lane_index() + j * W;
+            masked[j] = ((lane < visible) & (lane >= hidden)) ? s[j] : minus_inf;
             block_max = std::max(block_max, hmax(masked[j]));
         }
         const float new_max = std::max(max[m], block_max);

@@ -1,7 +1,8 @@
 // One work unit of cpu_paged_attention.cpp: a tile of query rows (tokens [j0, j1) of one
 // request × the num_heads / num_kv_heads query heads of one KV head) against that request's
-// keys [0, context_len + j1), read in place through the block table, KC key positions at a
-// time (a chunk may span blocks, so any block size works).
+// keys [first, context_len + j1), read in place through the block table, KC key positions at
+// a time (a chunk may span blocks, so any block size works); `first` is 0, or with a sliding
+// window the first key of the tile's first row's window.
 //
 // Per chunk, every group of up to RG rows computes its scores register-blocked, updates its
 // online softmax and adds p · V into its accumulator rows (each V vector loaded once per
@@ -17,6 +18,7 @@ class Tile {
 public:
     explicit Tile(const Params& p)
         : p_(p), dim_(FixedDim ? FixedDim : p.head_dim), group_(p.num_heads / p.num_kv_heads),
+          window_(p.sliding_window),
           kv_row_(static_cast<int64_t>(p.num_kv_heads) * dim_),
           k_cache_(static_cast<const T*>(p.k_cache)), v_cache_(static_cast<const T*>(p.v_cache)),
           kt_(static_cast<size_t>(dim_) * KC) {}
@@ -31,9 +33,11 @@ public:
         state_.reset(rows_, dim());
         load_queries(start + j0, kv_head);
         const int kv_end = context + j1;
+        // With a window, row m sees keys from first_limit_ + m / group_ - window on.
+        const int kv_begin = window_ ? std::max(0, first_limit_ - window_) : 0;
         KeyChunks chunks(p_.block_table + r * p_.bt_stride, p_.block_size, kv_row_,
-                         static_cast<int64_t>(kv_head) * dim());
-        for (int t0 = 0; t0 < kv_end; t0 += KC) {
+                         static_cast<int64_t>(kv_head) * dim(), kv_begin);
+        for (int t0 = kv_begin; t0 < kv_end; t0 += KC) {
             const int n = std::min(KC, kv_end - t0);
             chunks.next(n);
             if (t0 + KC < kv_end) prefetch(chunks.peek(std::min(KC, kv_end - t0 - KC)));
@@ -51,6 +55,9 @@ private:
     int dim() const { return FixedDim ? FixedDim : dim_; }
     int visible(int m, int t0, int n) const {  // keys of the chunk row m attends: [0, result)
         return std::clamp(first_limit_ + m / group_ - t0, 0, n);
+    }
+    int hidden(int m, int t0, int n) const {  // chunk keys before row m's window: [0, result)
+        return window_ ? std::clamp(first_limit_ + m / group_ - window_ - t0, 0, n) : 0;
     }
 
     void load_queries(int64_t token, int kv_head) {
@@ -106,7 +113,8 @@ private:
                     s[r][j] = key_dots(q + r * dim(), k_cache_, off + j * W, n - j * W, dim());
         }
         float alpha[R];
-        for (int r = 0; r < R; ++r) alpha[r] = state_.update(m0 + r, s[r], vis[r]);
+        for (int r = 0; r < R; ++r)
+            alpha[r] = state_.update(m0 + r, s[r], hidden(m0 + r, t0, n), vis[r]);
         accumulate<T, R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
                          state_.acc_rows(m0), state_.acc_stride);
     }
@@ -123,7 +131,7 @@ private:
     }
 
     const Params& p_;
-    const int dim_, group_;
+    const int dim_, group_, window_;
     const int64_t kv_row_;
     const T* const k_cache_;
     const T* const v_cache_;

@@ -46,14 +46,20 @@ inline Vec broadcast(float x) {  // (splat's x + 0 would also turn -0 into +0)
     }(std::make_integer_sequence<int, W>{});
 }
 // The f16 at p in every lane, and the adjacent pair at p, p + 2 (d and m) in every lane of
-// two vectors. On AVX2 one broadcast load and one conversion: a scalar conversion and
+// two vectors. On AVX2 and AVX-512 one broadcast and one conversion: a scalar conversion and
 // broadcast per field cost ~3 % of a Q4_1 one-row product and up to ~10 % of a Q8_0 one on
-// Zen 3. AVX-512 builds keep the scalar form (not measured there).
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-#define GGUF_SPLAT_F16 1
+// Zen 3.
+#if defined(__AVX512F__)
+#define GGUF_SPLAT_F16 512
+#elif defined(__AVX2__) && defined(__F16C__)
+#define GGUF_SPLAT_F16 256
 #endif
 inline Vec splat_f16(const uint8_t* p) {
-#ifdef GGUF_SPLAT_F16
+#if GGUF_SPLAT_F16 == 512
+    int16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return (Vec)_mm512_maskz_cvtph_ps(0xFFFF, _mm256_set1_epi16(h));  // maskz: see widen
+#elif GGUF_SPLAT_F16 == 256
     int16_t h;
     std::memcpy(&h, p, sizeof h);
     return (Vec)_mm256_cvtph_ps(_mm_set1_epi16(h));
@@ -63,7 +69,10 @@ inline Vec splat_f16(const uint8_t* p) {
 }
 struct VecPair { Vec first, second; };
 inline VecPair splat_f16_pair(const uint8_t* p) {
-#ifdef GGUF_SPLAT_F16
+#if GGUF_SPLAT_F16 == 512
+    const __m512 f = _mm512_maskz_cvtph_ps(0xFFFF, _mm256_set1_epi32(static_cast<int>(u32(p))));
+    return {(Vec)_mm512_maskz_moveldup_ps(0xFFFF, f), (Vec)_mm512_maskz_movehdup_ps(0xFFFF, f)};
+#elif GGUF_SPLAT_F16 == 256
     const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(u32(p))));
     return {(Vec)_mm256_moveldup_ps(f), (Vec)_mm256_movehdup_ps(f)};
 #else
@@ -113,6 +122,20 @@ inline VecI nibbles32(const uint8_t* qs, int e) {
 inline VecI high_bits32(uint32_t qh, int e) {
     return ((VecI)((VecU32{} + qh) >> (VecU32)(lane_index() + e)) & 1) << 4;
 }
+// q - 16 for 5-bit quants q = low | 16 * bit: the low nibble where the bit is set, else the
+// nibble minus 16. With AVX-512 the bits are a lane mask and this is one masked subtract (the
+// shift-and-mask form costs four vector operations per vector, and Q5_0 decoding is
+// arithmetic-bound at one row).
+inline VecI five_bit_centered(VecI low, uint32_t qh, int e) {
+#if defined(__AVX512F__)
+    static_assert(W == 16);
+    const __mmask16 set = static_cast<__mmask16>(qh >> e);
+    return (VecI)_mm512_mask_sub_epi32((__m512i)low, static_cast<__mmask16>(~set),
+                                       (__m512i)low, _mm512_set1_epi32(16));
+#else
+    return (low | high_bits32(qh, e)) - 16;
+#endif
+}
 
 struct Q4_0 {
     static constexpr int kElems = 32, kBytes = 18, kChunks = 1;
@@ -137,7 +160,7 @@ struct Q5_0 {
     static Chunk chunk(const uint8_t* b, int) { return {splat_f16(b), u32(b + 2), b + 6}; }
     static Vec at(const Chunk& k, int v) {
         const int e = v * W;
-        return k.d * to_vec((nibbles32(k.qs, e) | high_bits32(k.qh, e)) - 16);
+        return k.d * to_vec(five_bit_centered(nibbles32(k.qs, e), k.qh, e));
     }
 };
 

@@ -12,9 +12,12 @@
 // A CTA owns `heads_per_cta` query heads of one KV head for all the item's query tokens:
 //   "row" r is query token r / heads_per_cta and head head0 + r % heads_per_cta. Every K/V
 //   tile is loaded from global memory once per KV head and shared by the GQA group.
-// Keys: the item's rows see keys [0, kv_end), kv_end = context + q_first + q_count; query
-//   token j of a request sits at position context + j and attends keys [0, context + j].
-//   Split z covers keys [z * split_tokens, (z + 1) * split_tokens) of that range.
+// Keys: the item's rows see keys [kv_begin, kv_end), kv_end = context + q_first + q_count;
+//   query token j of a request sits at position context + j and attends keys [0, context + j],
+//   or with a sliding window w > 0 only [context + j - w + 1, context + j]; kv_begin is 0, or
+//   the first key of the item's first row's window (blocks before it are never read: they
+//   may be stale or the null block). Split z covers keys [kv_begin + z * split_tokens,
+//   kv_begin + (z + 1) * split_tokens) of that range.
 // Each tile of TILE keys takes four barriers:
 //   1. K and V rows -> shared memory with 16-byte loads (64-bit offsets). Rows past the
 //      range are zero-filled and never loaded: a partial last block's tail may hold NaN.
@@ -79,11 +82,13 @@ struct WorkItem {
   int token0;   // flat-batch row of the first query token
   int q_count;  // query tokens in the item
   int q_pos0;   // absolute position of the first query token (context + q_first)
-  int kv_end;   // keys [0, kv_end) are visible to at least one row
+  int kv_begin;  // keys [kv_begin, kv_end) are visible to at least one row
+  int kv_end;
 };
 
 __device__ __forceinline__ WorkItem load_work_item(const int* work, const int* query_start_loc,
-                                                   const int* seq_lens, int index) {
+                                                   const int* seq_lens, int index,
+                                                   int sliding_window) {
   const int* w = work + 3LL * index;
   const int start = query_start_loc[w[0]];
   const int context = seq_lens[w[0]] - (query_start_loc[w[0] + 1] - start);
@@ -93,6 +98,7 @@ __device__ __forceinline__ WorkItem load_work_item(const int* work, const int* q
   item.q_count = w[2];
   item.q_pos0 = context + w[1];
   item.kv_end = context + w[1] + w[2];
+  item.kv_begin = sliding_window > 0 ? max(0, item.q_pos0 - sliding_window + 1) : 0;
   return item;
 }
 
@@ -128,13 +134,15 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
   WorkItem item;
   HeadGroup heads;
   int heads_per_cta;
+  int window;  // sliding window (0: full attention)
   int rows;  // active rows: q_count * heads_per_cta <= ROWS
   // P.V mapping: the `span` = rows * CHUNKS active (row, chunk) pairs. With span >= NT a
   // thread owns pairs tid, tid + NT, ...; with fewer, the keys are cut into `slices`
   // (NT / span) so that every thread works, and the slices are summed at the end.
   int span, slices, slice, pair0;
 
-  __device__ AttentionCta(unsigned char* smem, const WorkItem& w, const HeadGroup& h, int hpc)
+  __device__ AttentionCta(unsigned char* smem, const WorkItem& w, const HeadGroup& h, int hpc,
+                          int sliding_window)
       : q_s(reinterpret_cast<float*>(smem + L::Q_OFF)),
         k_s(reinterpret_cast<T*>(smem + L::K_OFF)),
         v_s(reinterpret_cast<T*>(smem + L::V_OFF)),
@@ -143,7 +151,8 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
         m_s(reinterpret_cast<float*>(smem + L::STAT_OFF) + ROWS),
         l_s(reinterpret_cast<float*>(smem + L::STAT_OFF) + 2 * ROWS),
         bt_s(reinterpret_cast<int*>(smem + L::BT_OFF)),
-        item(w), heads(h), heads_per_cta(hpc), rows(w.q_count * hpc) {
+        item(w), heads(h), heads_per_cta(hpc), window(sliding_window),
+        rows(w.q_count * hpc) {
     span = rows * CHUNKS;
     slices = span >= NT ? 1 : NT / span;
     slice = span >= NT ? 0 : threadIdx.x / span;
@@ -212,7 +221,8 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
     }
   }
 
-  // p_s[r][t] = q_r . k_t (log2 units) where row r may see key tile_start + t, else -inf.
+  // p_s[r][t] = q_r . k_t (log2 units) where row r may see key tile_start + t (at or before
+  // its position, and within its window), else -inf.
   // Rows past `rows` are skipped (r0 is warp-uniform for TILE >= 32).
   __device__ void tile_scores(int tile_start, int n) {
     const int t = threadIdx.x % TILE, r0 = threadIdx.x / TILE;
@@ -236,7 +246,8 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
 #pragma unroll
     for (int j = 0; j < L::SCORES; j++) {
       const int r = r0 + j * RSTEP;
-      const bool visible = r < rows && t < n && key <= item.q_pos0 + r / heads_per_cta;
+      const int pos = item.q_pos0 + r / heads_per_cta;
+      const bool visible = r < rows && t < n && key <= pos && (window == 0 || key > pos - window);
       p_s[r * L::P_STRIDE + t] = visible ? s[j] : neg_inf();
     }
   }
@@ -322,7 +333,7 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS> struct AttentionCt
       const int p = slice == 0 ? pair(k) : -1, r = p / CHUNKS, c = p % CHUNKS;
       if (p < 0) continue;
       if (part_acc == nullptr) {
-        const float inv = __fdividef(1.f, l_s[r]);  // l >= 1: the unsplit range holds key 0
+        const float inv = __fdividef(1.f, l_s[r]);  // l >= 1: the range holds the row's key
         float o[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; e++) o[e] = acc[k][e] * inv;
@@ -351,16 +362,18 @@ __global__ void __launch_bounds__(ds::NUM_THREADS,
     const T* __restrict__ v_cache, const int* __restrict__ block_table, int block_table_stride,
     const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ work, int num_heads, int num_kv_heads, int heads_per_cta,
-    int split_tokens, float scale_log2) {
+    int split_tokens, float scale_log2, int sliding_window) {
   using Cta = ds::AttentionCta<T, HEAD_DIM, BLOCK_SIZE, ROWS>;
   using L = typename Cta::L;
   REQUIRE_SMEM(L::BYTES);
   DYN_SMEM(unsigned char, smem);
-  const ds::WorkItem item = ds::load_work_item(work, query_start_loc, seq_lens, blockIdx.x);
-  const int key_begin = blockIdx.z * split_tokens;
+  const ds::WorkItem item =
+      ds::load_work_item(work, query_start_loc, seq_lens, blockIdx.x, sliding_window);
+  const int key_begin = item.kv_begin + blockIdx.z * split_tokens;
   const int key_end = min(item.kv_end, key_begin + split_tokens);
   if (key_begin >= key_end) return;  // an empty split: uniform over the CTA, before any barrier
-  Cta cta(smem, item, ds::cta_heads(num_heads, num_kv_heads, heads_per_cta), heads_per_cta);
+  Cta cta(smem, item, ds::cta_heads(num_heads, num_kv_heads, heads_per_cta), heads_per_cta,
+          sliding_window);
   cta.stage_query(query, query_stride, scale_log2);
 
   const int* bt_row = block_table + (long long)item.request * block_table_stride;
@@ -407,11 +420,13 @@ __global__ void __launch_bounds__(ds::NUM_THREADS) attention_reduce(
     T* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ work, int num_heads, int num_kv_heads, int heads_per_cta,
-    int rows_per_cta, int split_tokens, int num_splits) {
+    int rows_per_cta, int split_tokens, int num_splits, int sliding_window) {
   constexpr int VEC = ds::Pack<T>::VEC, CHUNKS = HEAD_DIM / VEC;
-  const ds::WorkItem item = ds::load_work_item(work, query_start_loc, seq_lens, blockIdx.x);
+  const ds::WorkItem item =
+      ds::load_work_item(work, query_start_loc, seq_lens, blockIdx.x, sliding_window);
   const ds::HeadGroup heads = ds::cta_heads(num_heads, num_kv_heads, heads_per_cta);
-  const int splits = ds::ceil_div(item.kv_end, split_tokens);  // later splits were empty
+  // later splits were empty
+  const int splits = ds::ceil_div(item.kv_end - item.kv_begin, split_tokens);
   const long long slot0 =
       (long long)(blockIdx.x * gridDim.y + blockIdx.y) * num_splits * rows_per_cta;
   for (int i = threadIdx.x; i < item.q_count * heads_per_cta * CHUNKS; i += ds::NUM_THREADS) {
@@ -422,7 +437,7 @@ __global__ void __launch_bounds__(ds::NUM_THREADS) attention_reduce(
     float l_sum = 0.f, o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; e++) o[e] = 0.f;
-    for (int z = 0; z < splits; z++) {  // split 0 holds key 0, so m_max is finite
+    for (int z = 0; z < splits; z++) {  // a split holds the row's own key: m_max is finite
       const long long slot = slot0 + (long long)z * rows_per_cta + r;
       const float w = exp2f(part_ml[2 * slot] - m_max);  // 0 for a split this row can't see
       l_sum += w * part_ml[2 * slot + 1];

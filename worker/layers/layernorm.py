@@ -48,7 +48,27 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps, dtype, residual)
         return self.add_and_norm_torch(x, residual, dtype)
 
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Every head of x [tokens, heads, head_dim] normalized in place (per-head q/k norms);
+        returns x (a new tensor where the native op does not take x)."""
+        ops = native_ops() if x.is_cpu else None
+        if ops is not None and ops.head_rms_norm_supported(x, self.weight):
+            ops.head_rms_norm_(x, self.weight, self.eps)
+            return x
+        return self.forward_torch(x)
+
     def add_and_norm_torch(self, x: torch.Tensor, residual: torch.Tensor,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
         residual.add_(x)
         return self.forward_torch(residual, out_dtype or x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + w): checkpoints hold w, this layer's weight is 1 + w
+    (float32, formed once at load as Hugging Face forms it per call), so the rest is RMSNorm."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                             f"checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(1.0 + loaded.float())

@@ -42,3 +42,78 @@ LLAMA = ConfigAdapter("llama")
 MISTRAL = ConfigAdapter("mistral", sliding_window=True)
 QWEN2 = ConfigAdapter("qwen2", qkv_bias=True)
 QWEN3 = ConfigAdapter("qwen3", qk_norm=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Facts:
+    """What Gemma 3 adds to the generic fields: which layers attend through a sliding window,
+    each kind's RoPE, the attention scale, and the final logits' soft cap. Read from either
+    config layout (transformers 5's `rope_parameters` per layer type, or the older
+    `rope_theta` / `rope_local_base_freq` / `rope_scaling` of the global layers)."""
+
+    sliding: tuple[bool, ...]  # per layer: a sliding-window (local) layer
+    sliding_window: int
+    local_rope_theta: float
+    global_rope_theta: float
+    global_rope_scaling: dict[str, Any] | None
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+
+    @staticmethod
+    def read(hf: dict[str, Any]) -> Gemma3Facts:
+        layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types")
+        if types is None:
+            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(layers)]
+        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"unsupported layer_types {types!r}")
+        params = hf.get("rope_parameters") or {}
+        local = params.get("sliding_attention") or {}
+        full = params.get("full_attention") or hf.get("rope_scaling") or {}
+        scaling = {**full, "rope_type": full.get("rope_type", full.get("type", "default"))}
+        if scaling["rope_type"] not in ("default", "linear"):
+            raise UnsupportedModelError(f"unsupported rope type {scaling['rope_type']!r} "
+                                        "for Gemma 3's global layers")
+        return Gemma3Facts(
+            sliding=tuple(t == "sliding_attention" for t in types),
+            sliding_window=int(hf.get("sliding_window") or 4096),
+            local_rope_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq")
+                                   or 10000.0),
+            global_rope_theta=float(full.get("rope_theta") or hf.get("rope_theta") or 1e6),
+            global_rope_scaling=None if scaling["rope_type"] == "default" else scaling,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            final_logit_softcapping=hf.get("final_logit_softcapping"))
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Adapter:
+    """Gemma 3 text models (`Gemma3ForCausalLM`): Gemma3TextConfig's defaults where a
+    config.json leaves a field out (save_pretrained writes only what differs from them)."""
+
+    model_type: str = "gemma3_text"
+    defaults: tuple[tuple[str, Any], ...] = (
+        ("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+        ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+        ("head_dim", 256), ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6),
+        ("tie_word_embeddings", True), ("eos_token_id", 1))
+
+    def model_config(self, architecture: str, hf: dict[str, Any]) -> ModelConfig:
+        hf = {**dict(self.defaults), **hf}
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedModelError(f"unsupported hidden_activation {act!r} "
+                                        "(only gelu_pytorch_tanh)")
+        if hf.get("attn_logit_softcapping"):
+            raise UnsupportedModelError("unsupported attn_logit_softcapping (attention scores "
+                                        "soft-capping is not implemented)")
+        if hf.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("unsupported use_bidirectional_attention=true")
+        if hf.get("attention_bias"):
+            raise UnsupportedModelError("unsupported attention_bias=true for Gemma 3")
+        Gemma3Facts.read(hf)  # refuses what the model does not implement
+        return ModelConfig.from_dict(hf, architecture, attention_bias=False, qk_norm=True)
+
+
+GEMMA3 = Gemma3Adapter()

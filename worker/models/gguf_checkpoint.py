@@ -2,9 +2,10 @@
 GGUF blocks (uint8 [rows, row bytes], as the quantized methods load them) or dequantized to
 float32.
 
-llama.cpp's converter stores each query and key head's rows with the two rotary halves
-interleaved (row 2j + i of a head holds half i, row j); reading undoes that by reordering
-whole rows, so blocks stay intact. Tensor shapes in a GGUF file are listed innermost first;
+llama.cpp's converter stores each query and key head's rows of a Llama with the two rotary
+halves interleaved (row 2j + i of a head holds half i, row j); reading undoes that by
+reordering whole rows, so blocks stay intact. It stores Gemma's (1 + w) norm weights as 1 + w;
+reading subtracts 1 in float32, as transformers does, so both read the same w. Tensor shapes in a GGUF file are listed innermost first;
 `shapes` gives them as Hugging Face does ([out_features, in_features]).
 """
 from __future__ import annotations
@@ -23,12 +24,22 @@ from worker.native import gguf_ops
 
 logger = logging.getLogger("deltaserve")
 
-SUPPORTED_ARCHITECTURES = ("llama",)  # general.architecture (Mistral is stored as llama too)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# general.architecture -> its layer tensors' Hugging Face names (Mistral is stored as llama).
+LAYER_NAMES = {
+    "llama": _LAYER,
+    "gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+SUPPORTED_ARCHITECTURES = tuple(LAYER_NAMES)
+_ROPE_PERMUTED = ("llama",)  # q/k rows interleaved by llama.cpp's converter
+_NORMS_PLUS_ONE = ("gemma3",)  # (1 + w) norm weights stored as 1 + w
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: config.json must carry the scaling
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
@@ -38,14 +49,15 @@ class GGUFFileError(ValueError):
     tensor type. The message names the file and the field or tensor."""
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     base, dot, suffix = gguf_name.rpartition(".")
     if base in _TOP:
         return f"{_TOP[base]}{dot}{suffix}"
+    layer = LAYER_NAMES[architecture]
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}{dot}{suffix}"
+    if match and match.group(2) in layer:
+        return f"model.layers.{match.group(1)}.{layer[match.group(2)]}{dot}{suffix}"
     return None
 
 
@@ -101,7 +113,7 @@ class GGUFCheckpoint:
             if t.name == ROPE_FREQS:
                 self.rope_freqs = True
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             if name is None:
                 raise GGUFFileError(f"{self.path}: tensor {t.name!r} has no place in a "
                                     f"{self.architecture} model")
@@ -137,12 +149,16 @@ class GGUFCheckpoint:
     def weights(self, kept: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor): names in `kept` as uint8 [rows, row bytes] blocks,
         the others as float32; q/k rows in Hugging Face's order."""
-        heads = dict(zip(("q_proj", "k_proj"), self.heads()))
+        heads = (dict(zip(("q_proj", "k_proj"), self.heads()))
+                 if self.architecture in _ROPE_PERMUTED else {})
+        plus_one = self.architecture in _NORMS_PLUS_ONE
         for name, t in self.tensors.items():
             tensor = self._blocks(name, t) if name in kept else self._dense(name, t)
             projection = name.rsplit(".", 2)[-2]
             if projection in heads and len(self.shapes[name]) == 2:
                 tensor = tensor[rope_unpermute(tensor.shape[0], heads[projection])]
+            if plus_one and name.endswith("norm.weight"):
+                tensor = tensor - 1.0
             yield name, tensor
 
     def _blocks(self, name: str, t) -> torch.Tensor:

@@ -16,7 +16,7 @@ from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.config import ModelConfig
-from worker.models.native_layer_loop import NativeLayerLoop
+from worker.models.native_layer_loop import LayerNorms, NativeLayerLoop
 
 
 class LlamaAttention(nn.Module):
@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)
         q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * d))
@@ -86,6 +86,11 @@ class LlamaDecoderLayer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mlp.down_proj.compute_dtype
 
+    def native_norms(self) -> LayerNorms:
+        attn = self.self_attn
+        return LayerNorms(self.input_layernorm, self.post_attention_layernorm,
+                          getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+
     def forward(self, positions: torch.Tensor, pending: torch.Tensor | None,
                 residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -102,6 +107,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    activation = "silu"
+
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
                  max_positions: int, quant_config: QuantizationConfig | None,
                  prefix: str) -> None:
@@ -116,6 +123,9 @@ class LlamaModel(nn.Module):
                                           config.rope_scaling)
         # Made on the first forward (the weights are final by then); False: not taken.
         self.native_loop: NativeLayerLoop | None | bool = None
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        return self.rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:

@@ -1,16 +1,21 @@
-"""A Llama model's layer loop as one native call (worker/native/cpu_decoder.py) for steps of up
-to 64 token rows (decode batches, short prefill chunks), where the Python loop's per-layer
-calls weigh against the arithmetic. It runs the same kernels in the same order, so its outputs equal the loop's bit
-for bit; LlamaModel falls back to the loop for anything it does not take.
+"""A model's layer loop as one native call (worker/native/cpu_decoder.py) for steps of up to 64
+token rows (decode batches, short prefill chunks), where the Python loop's per-layer calls
+weigh against the arithmetic. It runs the same kernels in the same order, so its outputs equal
+the loop's bit for bit; the model falls back to the loop for anything it does not take.
 
-Taken: tensor parallelism 1 on the CPU, float32 compute, the native attention backend with a
-float32 cache, every linear layer with native weights (GGUF, int8), no biases, no per-head
-q/k norms. DELTASERVE_NATIVE_LAYERS=0 turns it off.
+A model is taken when its decoder layers say what their norms are (`native_norms()`: Llama's
+two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
+(`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: tensor
+parallelism 1 on the CPU, float32 compute, the native attention backend with a float32
+cache, every linear layer with native weights (GGUF, int8), no biases. Each layer attends
+through its own KV group (block table, slots, sliding window). DELTASERVE_NATIVE_LAYERS=0
+turns it off.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,11 +23,14 @@ from torch import nn
 from worker.attention.cpu_backend import CpuAttentionBackend, cpu_plan
 from worker.attention.kv_cache_spec import KVCache
 from worker.attention.metadata import AttentionMetadata
+from worker.layers.layernorm import RMSNorm
 from worker.layers.linear import LinearBase
 from worker.native import cpu_decoder
 from worker.native.cpu_decoder import (
+    MAX_GROUPS,
     MAX_ROWS,
     MAX_SEGMENTS,
+    Group,
     Layer,
     Linear,
     Model,
@@ -46,17 +54,40 @@ def _linear(layer: LinearBase) -> Linear | None:
     return out
 
 
-def _layer(layer: nn.Module) -> Layer | None:
-    """A LlamaDecoderLayer's table entry, or None when it is not taken."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if (hasattr(attn, "q_norm") or attn.o_proj.tp.world_size != 1
-            or not isinstance(attn.backend, CpuAttentionBackend)):
+@dataclass(frozen=True, slots=True)
+class LayerNorms:
+    """A decoder layer's norms as the native loop runs them: `input` and `pre_mlp` add the
+    pending output to the stream first; the optional ones are q/k head norms and norms of the
+    attention and MLP outputs before they are added (Gemma's)."""
+
+    input: RMSNorm
+    pre_mlp: RMSNorm
+    q: RMSNorm | None = None
+    k: RMSNorm | None = None
+    attn_out: RMSNorm | None = None
+    mlp_out: RMSNorm | None = None
+
+    def all(self) -> list[RMSNorm]:
+        return [n for n in (self.input, self.pre_mlp, self.q, self.k, self.attn_out,
+                            self.mlp_out) if n is not None]
+
+
+def _pointer(norm: RMSNorm | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
+    """A decoder layer's table entry, or None when it is not taken."""
+    attn, mlp, norms = layer.self_attn, layer.mlp, layer.native_norms()
+    if (attn.o_proj.tp.world_size != 1 or not isinstance(attn.backend, CpuAttentionBackend)
+            or not _float_rows(rotary.cos)):
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if any(x is None for x in linears) or any(not _float_rows(w) for w in norms):
+    if any(x is None for x in linears) or any(not _float_rows(n.weight) for n in norms.all()):
         return None
-    return Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears)
+    return Layer(norms.input.weight.data_ptr(), norms.pre_mlp.weight.data_ptr(), *linears,
+                 None, None, _pointer(norms.q), _pointer(norms.k), _pointer(norms.attn_out),
+                 _pointer(norms.mlp_out), rotary.cos.data_ptr(), rotary.sin.data_ptr(), 0)
 
 
 def _float_rows(t: torch.Tensor) -> bool:
@@ -69,14 +100,15 @@ class NativeLayerLoop:
 
     def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer]) -> None:
         attn, gate_up = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
-        rotary, norm = model.rotary_emb, model.layers[0].input_layernorm
+        rotary, norm = model.rotary_of(0), model.layers[0].input_layernorm
         self._native, self.max_rows, self._num_layers = native, MAX_ROWS, len(layers)
         self._table = (Layer * len(layers))(*layers)
         self._group = attn.num_heads // attn.num_kv_heads
         hidden, inter = norm.weight.shape[0], gate_up.weight.shape[0] // 2
         self._model = Model(hidden, inter, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
-                            rotary.cos.shape[0], norm.eps, attn.scale, rotary.cos.data_ptr(),
-                            rotary.sin.data_ptr())
+                            rotary.cos.shape[0], norm.eps, attn.scale,
+                            int(model.activation == "gelu_tanh"))
+        self._groups_key: tuple[int, ...] = ()
         widths = {"h": hidden, "qkv": (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
                   "attn": attn.num_heads * attn.head_dim, "gate_up": 2 * inter, "act": inter}
         # float32 [max_rows, width] each; a step uses its first m rows (cpu_decoder.cpp)
@@ -88,14 +120,16 @@ class NativeLayerLoop:
     def build(cls, model: nn.Module) -> NativeLayerLoop | None:
         """The loop for `model`, or None when the model (or this machine) is not taken."""
         native = cpu_decoder.load() if ENABLED else None
-        if native is None or len(model.layers) == 0 or not _float_rows(model.rotary_emb.cos):
+        if native is None or len(model.layers) == 0 or model.activation not in (
+                "silu", "gelu_tanh"):
             return None
-        if any(layer.dtype != torch.float32 for layer in model.layers):
+        if any(layer.dtype != torch.float32 or layer.native_norms() is None
+               for layer in model.layers):
             return None
-        eps = {(layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
-               for layer in model.layers}
-        layers = [_layer(layer) for layer in model.layers]
-        if len(eps) != 1 or len(set(next(iter(eps)))) != 1 or None in layers:
+        eps = {norm.eps for layer in model.layers for norm in layer.native_norms().all()}
+        layers = [_layer(layer, model.rotary_of(i)) for i, layer in enumerate(model.layers)]
+        scales = {layer.self_attn.scale for layer in model.layers}
+        if len(eps) != 1 or len(scales) != 1 or None in layers:
             return None
         return cls(native, model, layers)
 
@@ -117,22 +151,38 @@ class NativeLayerLoop:
         self._caches_key = key
         return True
 
+    def _bind_groups(self, metadata: AttentionMetadata, groups: list[AttentionMetadata]) -> None:
+        """Each layer's index into the step's groups (written when the mapping changes)."""
+        index = {id(g): i for i, g in enumerate(groups)}
+        key = tuple(index[id(metadata.for_layer(i))] for i in range(self._num_layers))
+        if key != self._groups_key:
+            for i, g in enumerate(key):
+                self._table[i].group = g
+            self._groups_key = key
+
     def __call__(self, positions: torch.Tensor, residual: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
         """residual [m, hidden] float32 (the embeddings; updated in place) -> the last layer's
         MLP output [m, hidden] float32, not yet added (a view of scratch, valid until the next
         call)."""
         m = residual.shape[0]
-        plan = cpu_plan(metadata, self._group)
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         s = self._scratch
-        step = Step(m, positions.data_ptr(), plan.slot_mapping.data_ptr(),
-                    plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
-                    plan.block_table.data_ptr(), plan.block_table.stride(0),
-                    plan.items.data_ptr(), plan.items.shape[0], residual.data_ptr(),
-                    self._pending.data_ptr(), s["h"].data_ptr(), s["qkv"].data_ptr(),
-                    s["attn"].data_ptr(), s["gate_up"].data_ptr(), s["act"].data_ptr())
+        groups = metadata.groups()
+        if len(groups) > MAX_GROUPS:
+            raise ValueError(f"{len(groups)} KV groups: the native loop takes {MAX_GROUPS}")
+        self._bind_groups(metadata, groups)
+        plans = [cpu_plan(g, self._group) for g in groups]
+        step = Step(m, positions.data_ptr(), plans[0].query_start_loc.data_ptr(),
+                    plans[0].seq_lens.data_ptr(), len(groups),
+                    (Group * MAX_GROUPS)(*(
+                        Group(p.slot_mapping.data_ptr(), p.block_table.data_ptr(),
+                              p.block_table.stride(0), p.items.data_ptr(), p.items.shape[0],
+                              g.sliding_window) for g, p in zip(groups, plans))),
+                    residual.data_ptr(), self._pending.data_ptr(), s["h"].data_ptr(),
+                    s["qkv"].data_ptr(), s["attn"].data_ptr(), s["gate_up"].data_ptr(),
+                    s["act"].data_ptr())
         status = self._native.forward(ctypes.byref(self._native.kernels),
                                       ctypes.byref(self._model), self._table, self._num_layers,
                                       ctypes.byref(step), torch.get_num_threads())

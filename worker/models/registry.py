@@ -12,15 +12,24 @@ from typing import Any
 
 from torch import nn
 
-from worker.models.adapters import LLAMA, MISTRAL, QWEN2, QWEN3, ConfigAdapter
+from worker.models.adapters import (
+    GEMMA3,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    ConfigAdapter,
+    Gemma3Adapter,
+)
 from worker.models.config import ModelConfig, UnsupportedModelError, read_config_json
 
 # architecture -> (module under worker.models, class, config adapter)
-_MODELS: dict[str, tuple[str, str, ConfigAdapter]] = {
+_MODELS: dict[str, tuple[str, str, ConfigAdapter | Gemma3Adapter]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM", LLAMA),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM", MISTRAL),  # without sliding window
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM", QWEN2),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM", QWEN3),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", GEMMA3),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 _BY_MODEL_TYPE = {adapter.model_type: arch for arch, (_, _, adapter) in _MODELS.items()}

@@ -12,9 +12,9 @@ SOURCES = ("cpu_paged_attention.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_simd.h",
            "cpu_paged_attention_simd.h", "cpu_paged_attention_rows.h", "cpu_paged_attention_tile.h")
 # dtype, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
 # query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out, num_heads,
-# num_kv_heads, head_dim, block_size, scale, num_threads
+# num_kv_heads, head_dim, block_size, scale, num_threads, sliding_window
 ARGTYPES = [I32, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, PTR, I64,
-            PTR, I32, I32, I32, I32, F32, I32]
+            PTR, I32, I32, I32, I32, F32, I32, I32]
 
 
 def build(march: str = "native") -> Path:

@@ -1,5 +1,5 @@
-"""The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama model's layers over a few
-token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF and attention
+"""The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama or Gemma 3 model's layers
+over a few token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF and attention
 libraries inside one parallel region. The ctypes Structures here mirror the C++ structs field
 by field.
 
@@ -20,6 +20,7 @@ from worker.native.library import I32, PTR, UNAVAILABLE, build_library, entry_po
 logger = logging.getLogger("deltaserve")
 
 MAX_SEGMENTS = 4  # cpu_decoder.cpp's
+MAX_GROUPS = 8  # likewise: KV layer groups
 # The most token rows a call takes (the scratch rows a loop allocates): decode batches and
 # short prefill chunks, where the Python loop's per-layer calls weigh; above it the
 # arithmetic dwarfs them.
@@ -28,7 +29,8 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [("matmul", _P), ("norm", _P), ("silu", _P), ("rope", _P), ("attention", _P)]
+    _fields_ = [("matmul", _P), ("norm", _P), ("silu", _P), ("rope", _P), ("attention", _P),
+                ("gelu_tanh", _P), ("head_norm", _P)]
 
 
 class Segment(ctypes.Structure):
@@ -43,20 +45,25 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear),
-                ("gate_up", Linear), ("down", Linear), ("k_cache", _P), ("v_cache", _P)]
+                ("gate_up", Linear), ("down", Linear), ("k_cache", _P), ("v_cache", _P),
+                ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
+                ("cos", _P), ("sin", _P), ("group", _I64)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
-                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("cos", _P),
-                ("sin", _P)]
+                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("gelu", _I64)]
+
+
+class Group(ctypes.Structure):
+    _fields_ = [("slot_mapping", _P), ("block_table", _P), ("bt_stride", _I64),
+                ("items", _P), ("num_items", _I64), ("window", _I64)]
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("m", _I64), ("positions", _P), ("slot_mapping", _P),
-                ("query_start_loc", _P), ("seq_lens", _P), ("block_table", _P),
-                ("bt_stride", _I64), ("items", _P), ("num_items", _I64), ("residual", _P),
+    _fields_ = [("m", _I64), ("positions", _P), ("query_start_loc", _P), ("seq_lens", _P),
+                ("num_groups", _I64), ("groups", Group * MAX_GROUPS), ("residual", _P),
                 ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
                 ("act", _P)]
 
@@ -87,5 +94,6 @@ def load() -> NativeDecoder | None:
     forward = entry_point(library, "cpu_decoder_forward",
                           [PTR, PTR, PTR, I32, PTR, I32])
     kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
-                      _address(ops._rope), _address(attention))
+                      _address(ops._rope), _address(attention), _address(ops._gelu),
+                      _address(ops._head_norm))
     return NativeDecoder(forward, kernels)

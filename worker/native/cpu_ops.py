@@ -39,6 +39,8 @@ EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
 _NORM_ARGS = [I32, I32, PTR, I64, PTR, I64, PTR, I64, PTR, I64, I64, F32, I32]
 # dtype, out, out_stride, x, x_stride, num_tokens, d, num_threads
 _SILU_ARGS = [I32, PTR, I64, PTR, I64, I64, I64, I32]
+# dtype, x, x_stride, heads, head_dim, weight, num_tokens, eps, num_threads
+_HEAD_NORM_ARGS = [I32, PTR, I64, I32, I64, PTR, I64, F32, I32]
 # dtype, positions, q, q_stride, num_heads, k, k_stride, num_kv_heads, num_tokens, head_dim,
 # cos, sin, max_position, num_threads
 _ROPE_ARGS = [I32, PTR, PTR, I64, I32, PTR, I64, I32, I64, I32, PTR, PTR, I64, I32]
@@ -62,6 +64,8 @@ class CpuOps:
         library = build_library("cpu-ops", SOURCES, EXTRA_FLAGS)
         self._norm = entry_point(library, "cpu_rms_norm", _NORM_ARGS)
         self._silu = entry_point(library, "cpu_silu_and_mul", _SILU_ARGS)
+        self._gelu = entry_point(library, "cpu_gelu_tanh_and_mul", _SILU_ARGS)
+        self._head_norm = entry_point(library, "cpu_head_rms_norm", _HEAD_NORM_ARGS)
         self._rope = entry_point(library, "cpu_rotary_embedding", _ROPE_ARGS)
 
     @staticmethod
@@ -96,12 +100,31 @@ class CpuOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, 2 * d] = [gate | up] -> silu(gate) * up [tokens, d] in x's dtype."""
+        return self._act_and_mul(self._silu, x, "cpu_silu_and_mul")
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, 2 * d] = [gate | up] -> gelu_tanh(gate) * up [tokens, d]."""
+        return self._act_and_mul(self._gelu, x, "cpu_gelu_tanh_and_mul")
+
+    def _act_and_mul(self, kernel, x: torch.Tensor, name: str) -> torch.Tensor:
         n, d = x.shape[0], x.shape[1] // 2
         out = torch.empty((n, d), dtype=x.dtype)
-        status = self._silu(DTYPE_CODES[x.dtype], out.data_ptr(), d, x.data_ptr(), x.stride(0),
-                            n, d, torch.get_num_threads())
-        _check(status, "cpu_silu_and_mul")
+        status = kernel(DTYPE_CODES[x.dtype], out.data_ptr(), d, x.data_ptr(), x.stride(0),
+                        n, d, torch.get_num_threads())
+        _check(status, name)
         return out
+
+    @staticmethod
+    def head_rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (_heads(x) and weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape == x.shape[2:])
+
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm of every head of x [tokens, heads, head_dim], in place."""
+        status = self._head_norm(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[1],
+                                 x.shape[2], weight.data_ptr(), x.shape[0], eps,
+                                 torch.get_num_threads())
+        _check(status, "cpu_head_rms_norm")
 
     @staticmethod
     def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:

@@ -76,6 +76,7 @@ class _Plan:
     metadata: tuple[torch.Tensor, ...]  # slot_mapping, query_start_loc, seq_lens, block_table
     part_acc: torch.Tensor | None  # split partials, shared by the launches and the layers
     part_ml: torch.Tensor | None
+    window: int = 0  # the metadata's sliding window
 
 
 def heads_per_cta(group: int, rows: int) -> int:
@@ -145,13 +146,14 @@ class KernelAttention(abc.ABC):
             [out, plan.part_acc if split else None, plan.part_ml if split else None, query,
              np.int64(query.stride(0)), k_cache, v_cache, block_table,
              np.int32(block_table.stride(0)), query_start_loc, seq_lens, launch.work, *heads,
-             np.int32(launch.split_tokens), np.float32(scale * math.log2(math.e))])
+             np.int32(launch.split_tokens), np.float32(scale * math.log2(math.e)),
+             np.int32(plan.window)])
         if split:
             launcher.launch(
                 plan.config.reduce, (launch.num_items, y), (NUM_THREADS,), 0,
                 [out, plan.part_acc, plan.part_ml, query_start_loc, seq_lens, launch.work,
                  *heads, np.int32(launch.rows), np.int32(launch.split_tokens),
-                 np.int32(launch.num_splits)])
+                 np.int32(launch.num_splits), np.int32(plan.window)])
 
     def _plan_for(self, metadata: AttentionMetadata, query: torch.Tensor,
                   k_cache: torch.Tensor) -> _Plan:
@@ -168,7 +170,7 @@ class KernelAttention(abc.ABC):
         for rows, decode in ((DECODE_ROWS, True), (PREFILL_ROWS, False)):
             hpc = heads_per_cta(group, rows)
             work = launch_work_items(metadata.query_lens_cpu, metadata.seq_lens_cpu, decode,
-                              rows // hpc)
+                                     rows // hpc, metadata.sliding_window)
             if len(work):
                 launches.append(self._launch(work, rows, hpc, num_kv_heads * (group // hpc)))
         part_acc = part_ml = None
@@ -180,7 +182,8 @@ class KernelAttention(abc.ABC):
         tensors = (metadata.slot_mapping.to(self.device, torch.int64).contiguous(),
                    *(t.to(self.device, torch.int32).contiguous() for t in (
                        metadata.query_start_loc, metadata.seq_lens, metadata.block_table)))
-        return _Plan(key, config, launches, tensors, part_acc, part_ml)
+        return _Plan(key, config, launches, tensors, part_acc, part_ml,
+                     metadata.sliding_window)
 
     def _launch(self, work: np.ndarray, rows: int, hpc: int, ctas_per_item: int) -> _Launch:
         longest = int(work[:, 3].max())
@@ -193,10 +196,11 @@ class KernelAttention(abc.ABC):
 
 
 def launch_work_items(query_lens: Sequence[int], seq_lens: Sequence[int], decode: bool,
-               tokens_per_item: int) -> np.ndarray:
+                      tokens_per_item: int, sliding_window: int = 0) -> np.ndarray:
     """[num_items, 4] int32: request, first query index, query count, and the item's KV
-    length (last column, host only), longest first. `decode` selects the requests with one
-    query token; otherwise those with several, cut into items of `tokens_per_item` tokens."""
+    length (last column, host only: the keys it reads, from its first row's window on),
+    longest first. `decode` selects the requests with one query token; otherwise those with
+    several, cut into items of `tokens_per_item` tokens."""
     q = np.asarray(query_lens, dtype=np.int64)
     s = np.asarray(seq_lens, dtype=np.int64)
     reqs = np.flatnonzero(q == 1) if decode else np.flatnonzero(q > 1)
@@ -206,8 +210,11 @@ def launch_work_items(query_lens: Sequence[int], seq_lens: Sequence[int], decode
         * tokens_per_item
     count = np.minimum(q[req] - first, tokens_per_item)
     kv_end = s[req] - q[req] + first + count
-    order = np.argsort(-kv_end, kind="stable")
-    return np.stack([req, first, count, kv_end], axis=1)[order].astype(np.int32)
+    length = kv_end  # keys [kv_begin, kv_end)
+    if sliding_window:
+        length = kv_end - np.maximum(kv_end - count - sliding_window + 1, 0)
+    order = np.argsort(-length, kind="stable")
+    return np.stack([req, first, count, length], axis=1)[order].astype(np.int32)
 
 
 def _vector_rows(t: torch.Tensor) -> torch.Tensor:
