@@ -28,3 +28,10 @@ inline float exp_nonpositive(float x) {
     const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
     return x < -87.0f ? 0.0f : exp_polynomial(exp_remainder(c, n)) * two_n;
 }
+
+// silu(x) = x * sigmoid(x), the exponent never positive (no overflow for any x):
+// sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, with e = exp(-|x|).
+inline float silu(float x) {
+    const float e = exp_nonpositive(x < 0.0f ? x : -x);
+    return x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
+}

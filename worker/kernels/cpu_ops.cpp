@@ -52,13 +52,6 @@ void for_each_token(int64_t num_tokens, int64_t work, int num_threads, const F& 
     }
 }
 
-// silu(x) = x * sigmoid(x), the exponent never positive (no overflow for any x):
-// sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, with e = exp(-|x|).
-inline float silu(float x) {
-    const float e = exp_nonpositive(x < 0.0f ? x : -x);
-    return x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
-}
-
 // ---- RMSNorm -----------------------------------------------------------------------------
 
 // out = round(x * rsqrt(mean(x^2) + eps) * weight); with a residual, residual += x first and

@@ -5,7 +5,7 @@ for bit; LlamaModel falls back to the loop for anything it does not take.
 
 Taken: tensor parallelism 1 on the CPU, float32 compute, the native attention backend with a
 float32 cache, every linear layer with native weights (GGUF, int8), no biases, no per-head
-q/k norms. DELTASERVE_NATIVE_LAYERS=0 turns it off.
+q/k norms, dense MLPs (a mixture-of-experts layer is not taken). DELTASERVE_NATIVE_LAYERS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _linear(layer: LinearBase) -> Linear | None:
 def _layer(layer: nn.Module) -> Layer | None:
     """A LlamaDecoderLayer's table entry, or None when it is not taken."""
     attn, mlp = layer.self_attn, layer.mlp
-    if (hasattr(attn, "q_norm") or attn.o_proj.tp.world_size != 1
+    if (hasattr(attn, "q_norm") or not hasattr(mlp, "gate_up_proj")
+            or attn.o_proj.tp.world_size != 1
             or not isinstance(attn.backend, CpuAttentionBackend)):
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]

@@ -12,7 +12,16 @@ from typing import Any
 
 from torch import nn
 
-from worker.models.adapters import LLAMA, MISTRAL, QWEN2, QWEN3, ConfigAdapter
+from worker.models.adapters import (
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+    QWEN3_MOE,
+    ConfigAdapter,
+)
 from worker.models.config import ModelConfig, UnsupportedModelError, read_config_json
 
 # architecture -> (module under worker.models, class, config adapter)
@@ -21,6 +30,9 @@ _MODELS: dict[str, tuple[str, str, ConfigAdapter]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM", MISTRAL),  # without sliding window
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM", QWEN2),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM", QWEN3),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3_MOE),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", MIXTRAL),  # without sliding window
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 _BY_MODEL_TYPE = {adapter.model_type: arch for arch, (_, _, adapter) in _MODELS.items()}
