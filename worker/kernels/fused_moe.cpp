@@ -1,19 +1,19 @@
 // A mixture-of-experts feed-forward over one step's tokens, in one call and one OpenMP
 // parallel region (worker/layers/fused_moe/):
 //   out[t] (+)= Σ_j weight[t, j] · down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
-// 1. group: the (token, choice) rows are sorted by expert (a counting sort, tokens ascending
-//    within an expert), serially before the region;
-// 2. gather: each row's x copied into a contiguous block per expert;
-// 3. gate/up: one product per active expert over its rows (one matrix when gate and up are
-//    adjacent rows of the same type, else two), into [rows, 2 * inter];
-// 4. act = silu(gate) * up, per row (weight-only int8's row scales applied here);
-// 5. down: one product per active expert, into [rows, hidden];
-// 6. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (so a token's
-//    result does not depend on the rest of the batch), into out or added to it.
-// Inactive experts are never read. Each product is gguf_drive.h's `drive<Q>` on one expert's
-// matrix (GGUF blocks, int8, or dense float32 / bfloat16 / float16 rows: dense_blocks.h), run
-// by the whole team: its rows (few tokens: decode) or strips (many: prefill) are shared among
-// the threads, ending in a barrier. Float32 activations and accumulation throughout.
+// 1. group: the (token, choice) rows sorted by expert (a counting sort, tokens ascending
+//    within an expert), serially before the region; inactive experts are never read;
+// 2. gate/up and SiLU: experts with few rows (decode) share one worksharing loop over units
+//    of (expert, DOT_GROUP intermediate columns), each dotting its gate and up rows with the
+//    rows' x in place (gguf_gemv.h's tiles) and activating them; an expert with more rows
+//    (prefill) gathers its x and runs gguf_drive.h's `drive<Q>` (the strips driver) by the
+//    whole team, then activates;
+// 3. down: likewise, into [rows, hidden];
+// 4. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (a
+//    token's result does not depend on the rest of the batch), into out or added to it.
+// A decode step passes three barriers. Weights: GGUF blocks, int8 (I8 with row scales) or
+// dense float32 / bfloat16 / float16 rows (dense_blocks.h), each decoded to float32 in
+// registers; float32 activations and accumulation throughout.
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
@@ -63,6 +63,8 @@ struct Plan {
     std::vector<int32_t> token;   // [P]: sorted row p's token
     std::vector<int32_t> expert;  // [P]: sorted row p's expert
     std::vector<int64_t> slot;    // [tokens * topk]: where choice (t, j) went
+    std::vector<int32_t> small;   // active experts of at most DOT_ROWS rows, ascending
+    std::vector<int32_t> large;   // active experts of more rows, ascending
 };
 
 // Status 1 for an expert id outside [0, E).
@@ -83,6 +85,12 @@ int group_by_expert(const int32_t* ids, int64_t rows, int64_t topk, int64_t num_
         plan.token[p] = static_cast<int32_t>(i / topk);
         plan.expert[p] = ids[i];
         plan.slot[i] = p;
+    }
+    plan.small.clear();
+    plan.large.clear();
+    for (int32_t e = 0; e < num_experts; ++e) {
+        const int64_t n = plan.start[e + 1] - plan.start[e];
+        if (n > 0) (n <= DOT_ROWS ? plan.small : plan.large).push_back(e);
     }
     return 0;
 }
@@ -115,8 +123,8 @@ bool fused_gate_up(const MoeLayer& l) {
 }
 
 struct Scratch {
-    float* xs;   // [P, hidden]: gathered x
-    float* gu;   // [P, 2 * inter]: gate | up
+    float* xs;   // [P, hidden]: gathered x (experts with more than DIRECT_ROWS rows)
+    float* gu;   // [P, 2 * inter]: gate | up (likewise)
     float* act;  // [P, inter]
     float* ys;   // [P, hidden]: down's output
 };
@@ -127,20 +135,80 @@ struct Call {
     float* out; int64_t out_stride; bool accumulate;
 };
 
-void gather(const Call& c) {
-    const int64_t h = c.l.hidden, rows = c.tokens * c.topk;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < rows; ++p)
-        std::memcpy(c.s.xs + p * h, c.x + c.plan.token[p] * c.x_stride, h * sizeof(float));
+// out[m * DOT_GROUP + (r - n0)] = x[m] · row r of matrix e, for m < R, r in [n0, n1)
+// (n1 - n0 <= DOT_GROUP): the direct driver's tiles on row pointers.
+template <class Q, int R>
+void group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+                const float* const (&x)[R], float* out) {
+    constexpr int NR = dot_tile_rows(R);
+    const auto* base = static_cast<const uint8_t*>(w.w) + e * w.expert_stride;
+    for (int64_t r0 = n0; r0 < n1; r0 += NR) {
+        const BlockRows<Q> src{base + r0 * w.row_stride, w.row_stride,
+                               PREFETCH_ROWS * w.row_stride};
+        float tile[R * NR];
+        dot_tile<Q, R, NR>(src, static_cast<int>(std::min<int64_t>(NR, n1 - r0)), x,
+                           k / Q::kElems, tile);
+        for (int m = 0; m < R; ++m)
+            for (int64_t r = r0; r < std::min(n1, r0 + NR); ++r)
+                out[m * DOT_GROUP + r - n0] = tile[m * NR + r - r0];
+    }
 }
 
-void gate_up(const Call& c) {
+// group_dots for a runtime row count (rows <= DOT_ROWS) and weight type.
+void dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+          const float* const* x, int rows, float* out) {
+    with_rows<DOT_ROWS>(rows, [&]<int R>() {
+        const float* xr[R];
+        for (int m = 0; m < R; ++m) xr[m] = x[m];
+        with_weight_type(static_cast<int>(w.qtype), [&]<class Q>() {
+            group_dots<Q, R>(w, e, n0, n1, k, xr, out);
+        });
+    });
+}
+
+// act[p] = silu(g * gate scale) * (u * up scale) for one row's columns [n0, n0 + n).
+void activate(const MoeLayer& l, int64_t e, int64_t n0, int64_t n, const float* g,
+              const float* u, float* act) {
+    const float* gs = l.gate.scale ? l.gate.scale + e * l.gate.scale_stride + n0 : nullptr;
+    const float* us = l.up.scale ? l.up.scale + e * l.up.scale_stride + n0 : nullptr;
+    for (int64_t i = 0; i < n; ++i)
+        act[n0 + i] = gs ? silu(g[i] * gs[i]) * (u[i] * us[i]) : silu(g[i]) * u[i];
+}
+
+// The experts of at most DOT_ROWS rows ("small", decode), all in one worksharing loop over
+// units (expert, DOT_GROUP intermediate columns): gate and up rows dotted with the rows' x
+// in place (no gather), then activated.
+void small_gate_up(const Call& c) {
+    const MoeLayer& l = c.l;
+    const std::vector<int32_t>& small = c.plan.small;
+    const int64_t groups = (l.inter + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp for schedule(static) nowait
+    for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
+        const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
+        const int64_t n1 = std::min(l.inter, n0 + DOT_GROUP), p0 = c.plan.start[e];
+        const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
+        const float* x[DOT_ROWS];
+        for (int m = 0; m < rows; ++m) x[m] = c.x + c.plan.token[p0 + m] * c.x_stride;
+        float g[DOT_ROWS * DOT_GROUP], v[DOT_ROWS * DOT_GROUP];
+        dots(l.gate, e, n0, n1, l.hidden, x, rows, g);
+        dots(l.up, e, n0, n1, l.hidden, x, rows, v);
+        for (int m = 0; m < rows; ++m)
+            activate(l, e, n0, n1 - n0, g + m * DOT_GROUP, v + m * DOT_GROUP,
+                     c.s.act + (p0 + m) * l.inter);
+    }
+}
+
+// The other experts, one after the other: x gathered, gate/up by the whole team (drive<Q>:
+// the strips driver at these row counts), then activated.
+void large_gate_up(const Call& c) {
     const MoeLayer& l = c.l;
     const int64_t h = l.hidden, inter = l.inter;
     const bool fused = fused_gate_up(l);
-    for (int64_t e = 0; e < l.num_experts; ++e) {
+    for (const int32_t e : c.plan.large) {
         const int64_t p0 = c.plan.start[e], rows = c.plan.start[e + 1] - p0;
-        if (rows == 0) continue;
+#pragma omp for schedule(static)
+        for (int64_t p = p0; p < p0 + rows; ++p)
+            std::memcpy(c.s.xs + p * h, c.x + c.plan.token[p] * c.x_stride, h * sizeof(float));
         const float* xe = c.s.xs + p0 * h;
         float* y = c.s.gu + p0 * 2 * inter;
         if (fused) {
@@ -149,33 +217,34 @@ void gate_up(const Call& c) {
             expert_product(l.gate, e, xe, h, y, 2 * inter, rows, inter, h);
             expert_product(l.up, e, xe, h, y + inter, 2 * inter, rows, inter, h);
         }
-    }
-}
-
-void activation(const Call& c) {
-    const MoeLayer& l = c.l;
-    const int64_t inter = l.inter, rows = c.tokens * c.topk;
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < rows; ++p) {
-        const int64_t e = c.plan.expert[p];
-        const float* g = c.s.gu + p * 2 * inter;
-        const float* u = g + inter;
-        float* a = c.s.act + p * inter;
-        if (l.gate.scale) {
-            const float* gs = l.gate.scale + e * l.gate.scale_stride;
-            const float* us = l.up.scale + e * l.up.scale_stride;
-            for (int64_t i = 0; i < inter; ++i) a[i] = silu(g[i] * gs[i]) * (u[i] * us[i]);
-        } else {
-            for (int64_t i = 0; i < inter; ++i) a[i] = silu(g[i]) * u[i];
-        }
+        for (int64_t p = p0; p < p0 + rows; ++p)
+            activate(l, e, 0, inter, c.s.gu + p * 2 * inter, c.s.gu + p * 2 * inter + inter,
+                     c.s.act + p * inter);
     }
 }
 
+// ys = act · downᵀ per expert: the small experts in one loop over (expert, DOT_GROUP hidden
+// rows) units, the large ones by the team one after the other.
 void down(const Call& c) {
     const MoeLayer& l = c.l;
-    for (int64_t e = 0; e < l.num_experts; ++e) {
+    const std::vector<int32_t>& small = c.plan.small;
+    const int64_t groups = (l.hidden + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp for schedule(static) nowait
+    for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
+        const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
+        const int64_t n1 = std::min(l.hidden, n0 + DOT_GROUP), p0 = c.plan.start[e];
+        const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
+        const float* x[DOT_ROWS];
+        for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * l.inter;
+        float y[DOT_ROWS * DOT_GROUP];
+        dots(l.down, e, n0, n1, l.inter, x, rows, y);
+        for (int m = 0; m < rows; ++m)
+            std::memcpy(c.s.ys + (p0 + m) * l.hidden + n0, y + m * DOT_GROUP,
+                        (n1 - n0) * sizeof(float));
+    }
+    for (const int32_t e : c.plan.large) {
         const int64_t p0 = c.plan.start[e], rows = c.plan.start[e + 1] - p0;
-        if (rows == 0) continue;
         expert_product(l.down, e, c.s.act + p0 * l.inter, l.inter, c.s.ys + p0 * l.hidden,
                        l.hidden, rows, l.hidden, l.inter);
     }
@@ -202,12 +271,15 @@ void combine(const Call& c) {
     }
 }
 
-// Every step by every thread of the region (or by one thread outside any).
+// Every step by every thread of the region (or by one thread outside any). The small
+// experts' loops end without a barrier, the large experts' products and the barriers below
+// order the rest: a decode step passes three barriers.
 void moe_team(const Call& c) {
-    gather(c);
-    gate_up(c);
-    activation(c);
+    small_gate_up(c);
+    large_gate_up(c);
+#pragma omp barrier
     down(c);
+#pragma omp barrier
     combine(c);
 }
 

@@ -81,6 +81,8 @@ class ExpertMatrices:
         d = self.data[e]
         if self.qtype is None:
             w = d.float()
+        elif self.qtype == gguf_ops.gguf_type("I8").code:  # plain int8, any K
+            w = d[:, :k].view(torch.int8).float()
         else:
             t = gguf_ops.gguf_type(self.qtype)
             w = gguf_ops.dequantize(d[:, :t.row_bytes(k)], t.code, d.shape[0], k)
