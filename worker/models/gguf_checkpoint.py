@@ -2,10 +2,15 @@
 GGUF blocks (uint8 [rows, row bytes], as the quantized methods load them) or dequantized to
 float32.
 
-llama.cpp's converter stores each query and key head's rows with the two rotary halves
-interleaved (row 2j + i of a head holds half i, row j); reading undoes that by reordering
-whole rows, so blocks stay intact. Tensor shapes in a GGUF file are listed innermost first;
-`shapes` gives them as Hugging Face does ([out_features, in_features]).
+llama.cpp's converter stores each query and key head's rows of a Llama (and Mixtral) model
+with the two rotary halves interleaved (row 2j + i of a head holds half i, row j); reading
+undoes that by reordering whole rows, so blocks stay intact (Qwen's converters do not permute).
+Tensor shapes in a GGUF file are listed innermost first; `shapes` gives them as Hugging Face
+does ([out_features, in_features]; stacked experts [experts, out, in]).
+
+Mixture-of-experts files keep each layer's experts stacked (`ffn_{gate,up,down}_exps`); they
+are named `model.layers.N.mlp.experts.{gate,up,down}_proj.weight` here, the router
+`mlp.gate`, a shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.
 """
 from __future__ import annotations
 
@@ -23,12 +28,23 @@ from worker.native import gguf_ops
 
 logger = logging.getLogger("deltaserve")
 
-SUPPORTED_ARCHITECTURES = ("llama",)  # general.architecture (Mistral is stored as llama too)
+# general.architecture -> its q/k rows are stored permuted for llama.cpp's RoPE. Mistral and
+# Mixtral are stored as llama too.
+GGUF_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": False}
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          # mixture of experts
+          "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+          "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+          "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+          "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+          "ffn_up_shexp": "mlp.shared_expert.up_proj",
+          "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: config.json must carry the scaling
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
@@ -119,6 +135,33 @@ class GGUFCheckpoint:
             raise GGUFFileError(f"{self.path}: tensor {t.name!r} has type "
                                 f"{t.tensor_type.name}, which deltaserve cannot read")
 
+    def moe_config(self) -> dict[str, object]:
+        """config.json fields of a mixture-of-experts file that transformers' GGUF reader
+        leaves out (none for a dense file): expert sizes, the dense layers (those without a
+        router), and what llama.cpp fixes per architecture (Qwen3-MoE and Mixtral renormalize
+        the top-k weights, Qwen2-MoE does not; a llama file with experts is Mixtral)."""
+        arch, fields = self.architecture, self.reader.fields
+        experts = fields.get(f"{arch}.expert_count")
+        if experts is None or int(experts.contents()) == 0:
+            return {}
+        layers = int(self._field(f"{arch}.block_count"))
+        sparse = {int(n.split(".")[2]) for n in self.tensors if n.endswith(".mlp.gate.weight")}
+        out: dict[str, object] = {
+            "num_experts_per_tok": int(self._field(f"{arch}.expert_used_count")),
+            "mlp_only_layers": [i for i in range(layers) if i not in sparse],
+            "decoder_sparse_step": 1}
+        norm = fields.get(f"{arch}.expert_weights_norm")
+        if arch == "llama":
+            out.update(model_type="mixtral", num_local_experts=int(experts.contents()))
+        else:
+            out.update(num_experts=int(experts.contents()), norm_topk_prob=bool(
+                norm.contents() if norm is not None else arch == "qwen3moe"),
+                moe_intermediate_size=int(self._field(f"{arch}.expert_feed_forward_length")))
+            shared = fields.get(f"{arch}.expert_shared_feed_forward_length")
+            if shared is not None:
+                out["shared_expert_intermediate_size"] = int(shared.contents())
+        return out
+
     def heads(self) -> tuple[int, int]:
         """(query heads, KV heads) as the file stores them."""
         heads = int(self._field(f"{self.architecture}.attention.head_count"))
@@ -137,7 +180,8 @@ class GGUFCheckpoint:
     def weights(self, kept: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor): names in `kept` as uint8 [rows, row bytes] blocks,
         the others as float32; q/k rows in Hugging Face's order."""
-        heads = dict(zip(("q_proj", "k_proj"), self.heads()))
+        heads = dict(zip(("q_proj", "k_proj"), self.heads())) \
+            if GGUF_ARCHITECTURES[self.architecture] else {}
         for name, t in self.tensors.items():
             tensor = self._blocks(name, t) if name in kept else self._dense(name, t)
             projection = name.rsplit(".", 2)[-2]
@@ -146,8 +190,10 @@ class GGUFCheckpoint:
             yield name, tensor
 
     def _blocks(self, name: str, t) -> torch.Tensor:
-        rows = int(np.prod(self.shapes[name][:-1]))  # 1 for a vector
-        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        """uint8 [rows, row bytes], or [experts, rows, row bytes] for stacked experts."""
+        shape = self.shapes[name]
+        rows = shape[:-1] if len(shape) == 3 else (int(np.prod(shape[:-1])),)  # (1,): a vector
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*rows, -1))
 
     def _dense(self, name: str, t) -> torch.Tensor:
         code, shape = self.types[name], self.shapes[name]
@@ -156,7 +202,7 @@ class GGUFCheckpoint:
             if code == 30:  # bfloat16 arrives as uint16 bits
                 return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float()
             return torch.from_numpy(data).float()
-        blocks = self._blocks(name, t)
+        blocks = self._blocks(name, t).flatten(0, -2)
         if gguf_ops.supported(code):
             return gguf_ops.dequantize(blocks, code, blocks.shape[0], shape[-1]).view(shape)
         import gguf.quants
