@@ -28,23 +28,28 @@ from worker.native import gguf_ops
 
 logger = logging.getLogger("deltaserve")
 
-# general.architecture -> its q/k rows are stored permuted for llama.cpp's RoPE. Mistral and
-# Mixtral are stored as llama too.
-GGUF_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": False}
-SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          # mixture of experts
-          "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-          "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
-          "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-          "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-          "ffn_up_shexp": "mlp.shared_expert.up_proj",
-          "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# A mixture-of-experts layer's router, stacked experts and shared expert.
+_MOE_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+              "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_HEAD_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# general.architecture -> its layer tensors' Hugging Face names (Mistral and Mixtral are
+# stored as llama).
+LAYER_NAMES = {
+    "llama": {**_LAYER, **_MOE_LAYER},
+    "qwen2moe": {**_LAYER, **_MOE_LAYER},
+    "qwen3moe": {**_LAYER, **_MOE_LAYER, **_HEAD_NORMS},
+}
+SUPPORTED_ARCHITECTURES = tuple(LAYER_NAMES)
+_ROPE_PERMUTED = ("llama",)  # q/k rows interleaved by llama.cpp's converter
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: config.json must carry the scaling
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
@@ -54,14 +59,15 @@ class GGUFFileError(ValueError):
     tensor type. The message names the file and the field or tensor."""
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     base, dot, suffix = gguf_name.rpartition(".")
     if base in _TOP:
         return f"{_TOP[base]}{dot}{suffix}"
+    layer = LAYER_NAMES[architecture]
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}{dot}{suffix}"
+    if match and match.group(2) in layer:
+        return f"model.layers.{match.group(1)}.{layer[match.group(2)]}{dot}{suffix}"
     return None
 
 
@@ -117,7 +123,7 @@ class GGUFCheckpoint:
             if t.name == ROPE_FREQS:
                 self.rope_freqs = True
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             if name is None:
                 raise GGUFFileError(f"{self.path}: tensor {t.name!r} has no place in a "
                                     f"{self.architecture} model")
@@ -180,8 +186,8 @@ class GGUFCheckpoint:
     def weights(self, kept: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor): names in `kept` as uint8 [rows, row bytes] blocks,
         the others as float32; q/k rows in Hugging Face's order."""
-        heads = dict(zip(("q_proj", "k_proj"), self.heads())) \
-            if GGUF_ARCHITECTURES[self.architecture] else {}
+        heads = (dict(zip(("q_proj", "k_proj"), self.heads()))
+                 if self.architecture in _ROPE_PERMUTED else {})
         for name, t in self.tensors.items():
             tensor = self._blocks(name, t) if name in kept else self._dense(name, t)
             projection = name.rsplit(".", 2)[-2]

@@ -21,9 +21,9 @@ from worker.models.llama import LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
-    """x [T, hidden] in the compute dtype -> [T, hidden] float32, reduced across ranks. The
-    router runs in the compute dtype (its logits as Hugging Face computes them), the experts
-    in float32 whatever their weights' dtype."""
+    """x [T, hidden] in the compute dtype (the experts' weight method's) -> [T, hidden]
+    float32, reduced across ranks. The router runs in its weights' dtype (its logits as
+    Hugging Face computes them), the experts in float32 whatever their weights' dtype."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
@@ -43,7 +43,7 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.gate.compute_dtype
+        return self.experts.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x.float(), self.gate(x.to(self.gate.compute_dtype)))

@@ -118,7 +118,9 @@ class FusedMoEMethodBase(QuantizeMethodBase):
         """Register `w13_weight` and `w2_weight` on `layer`, made with `parameter`."""
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
-        """Experts take and return float32 whatever their weights' dtype."""
+        """The dtype of the layers around these experts: the dense weights' (as a dense
+        linear method says), float32 for quantized ones. The experts themselves take and
+        return float32 whatever their weights' dtype."""
         return torch.float32
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,

@@ -135,6 +135,9 @@ class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
         layer.fused_experts = bind_stacked(q13, q2, q2.shape[1], (I8.code,) * 3,
                                            layer.w13_scale, layer.w2_scale)
 
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        return torch.float32
+
 
 class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:

@@ -86,6 +86,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         layer.fused_experts = bind_stacked(layer.w13_weight.data, layer.w2_weight.data,
                                            layer.w2_weight.shape[1])
 
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        return layer.w13_weight.dtype
+
 
 class UnquantizedConfig(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
