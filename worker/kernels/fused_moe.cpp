@@ -56,6 +56,8 @@ struct MoeLayer {
 
 namespace {
 
+#include "fused_moe_grouped.h"
+
 // The step's (token, choice) rows grouped by expert; rows of expert e are [start[e],
 // start[e + 1]) of the sorted order.
 struct Plan {
@@ -65,6 +67,10 @@ struct Plan {
     std::vector<int64_t> slot;    // [tokens * topk]: where choice (t, j) went
     std::vector<int32_t> small;   // active experts of at most DOT_ROWS rows, ascending
     std::vector<int32_t> large;   // active experts of more rows, ascending
+    std::vector<int64_t> large_rows;  // the sorted rows of the large experts
+    // the large experts' grouped products (fused_moe_grouped.h) and their loops' sizes
+    std::vector<GroupedProduct> gate_up, down;
+    int64_t gate_up_packs = 0, gate_up_units = 0, down_packs = 0, down_units = 0;
 };
 
 // Status 1 for an expert id outside [0, E).
@@ -88,9 +94,12 @@ int group_by_expert(const int32_t* ids, int64_t rows, int64_t topk, int64_t num_
     }
     plan.small.clear();
     plan.large.clear();
+    plan.large_rows.clear();
     for (int32_t e = 0; e < num_experts; ++e) {
         const int64_t n = plan.start[e + 1] - plan.start[e];
         if (n > 0) (n <= DOT_ROWS ? plan.small : plan.large).push_back(e);
+        for (int64_t p = plan.start[e]; n > DOT_ROWS && p < plan.start[e + 1]; ++p)
+            plan.large_rows.push_back(p);
     }
     return 0;
 }
@@ -103,14 +112,6 @@ int check_weights(const ExpertWeights& w, int64_t k) {
         if (k <= 0 || k % Q::kElems) status = 1;
     });
     return known ? status : 2;
-}
-
-// y [rows, n] = x [rows, k] · matrix eᵀ of `w`, by the whole team.
-void expert_product(const ExpertWeights& w, int64_t e, const float* x, int64_t x_stride,
-                    float* y, int64_t y_stride, int64_t rows, int64_t n, int64_t k) {
-    const Args a{static_cast<const uint8_t*>(w.w) + e * w.expert_stride, w.row_stride, x,
-                 x_stride, y, y_stride, rows, n, k, false};
-    with_weight_type(static_cast<int>(w.qtype), [&]<class Q>() { drive<Q>(a); });
 }
 
 // Gate and up are one matrix of 2 * inter rows: adjacent rows of one type and layout.
@@ -128,6 +129,48 @@ struct Scratch {
     float* act;  // [P, inter]
     float* ys;   // [P, hidden]: down's output
 };
+
+// The large experts' grouped products over the scratch rows (gate and up one product when
+// they are one matrix, else two sharing the packed x), their packed x in `xt`.
+void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<float>& xt) {
+    const int64_t h = l.hidden, inter = l.inter;
+    const bool fused = fused_gate_up(l);
+    plan.gate_up.clear();
+    plan.down.clear();
+    int64_t gp = 0, gu = 0, dp = 0, du = 0, need = 0;
+    std::vector<int64_t> at;  // each product's xt offset
+    for (const int32_t e : plan.large) {
+        const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
+        GroupedProduct g{&l.gate, e, m, fused ? 2 * inter : inter, h, s.xs + p0 * h, h,
+                         nullptr, true, s.gu + p0 * 2 * inter, 2 * inter};
+        at.push_back(need);
+        need += lay_out(g, nullptr, gp, gu);
+        plan.gate_up.push_back(g);
+        if (!fused) {
+            GroupedProduct u{&l.up, e, m, inter, h, s.xs + p0 * h, h, nullptr, false,
+                             s.gu + p0 * 2 * inter + inter, 2 * inter};
+            at.push_back(at.back());
+            lay_out(u, nullptr, gp, gu);
+            plan.gate_up.push_back(u);
+        }
+    }
+    for (const int32_t e : plan.large) {
+        const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
+        GroupedProduct d{&l.down, e, m, h, inter, s.act + p0 * inter, inter, nullptr, true,
+                         s.ys + p0 * h, h};
+        at.push_back(need);
+        need += lay_out(d, nullptr, dp, du);
+        plan.down.push_back(d);
+    }
+    xt.resize(static_cast<size_t>(need));
+    size_t i = 0;
+    for (auto* products : {&plan.gate_up, &plan.down})
+        for (GroupedProduct& p : *products) p.xt = xt.data() + at[i++];
+    plan.gate_up_packs = gp;
+    plan.gate_up_units = gu;
+    plan.down_packs = dp;
+    plan.down_units = du;
+}
 
 struct Call {
     const MoeLayer& l; const Plan& plan; const Scratch& s;
@@ -177,12 +220,14 @@ void activate(const MoeLayer& l, int64_t e, int64_t n0, int64_t n, const float* 
 
 // The experts of at most DOT_ROWS rows ("small", decode), all in one worksharing loop over
 // units (expert, DOT_GROUP intermediate columns): gate and up rows dotted with the rows' x
-// in place (no gather), then activated.
+// in place (no gather), then activated. Threads take an expert's units at a time as they
+// come free (the experts' row counts differ, and a thread the OS takes away for a while
+// leaves its share to the others).
 void small_gate_up(const Call& c) {
     const MoeLayer& l = c.l;
     const std::vector<int32_t>& small = c.plan.small;
     const int64_t groups = (l.inter + DOT_GROUP - 1) / DOT_GROUP;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, groups) nowait
     for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
         const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
         const int64_t n1 = std::min(l.inter, n0 + DOT_GROUP), p0 = c.plan.start[e];
@@ -198,39 +243,31 @@ void small_gate_up(const Call& c) {
     }
 }
 
-// The other experts, one after the other: x gathered, gate/up by the whole team (drive<Q>:
-// the strips driver at these row counts), then activated.
+// The large experts (prefill): rows gathered, gate/up as one grouped product, activated.
 void large_gate_up(const Call& c) {
     const MoeLayer& l = c.l;
-    const int64_t h = l.hidden, inter = l.inter;
-    const bool fused = fused_gate_up(l);
-    for (const int32_t e : c.plan.large) {
-        const int64_t p0 = c.plan.start[e], rows = c.plan.start[e + 1] - p0;
+    const std::vector<int64_t>& rows = c.plan.large_rows;
+    if (rows.empty()) return;
 #pragma omp for schedule(static)
-        for (int64_t p = p0; p < p0 + rows; ++p)
-            std::memcpy(c.s.xs + p * h, c.x + c.plan.token[p] * c.x_stride, h * sizeof(float));
-        const float* xe = c.s.xs + p0 * h;
-        float* y = c.s.gu + p0 * 2 * inter;
-        if (fused) {
-            expert_product(l.gate, e, xe, h, y, 2 * inter, rows, 2 * inter, h);
-        } else {
-            expert_product(l.gate, e, xe, h, y, 2 * inter, rows, inter, h);
-            expert_product(l.up, e, xe, h, y + inter, 2 * inter, rows, inter, h);
-        }
+    for (size_t i = 0; i < rows.size(); ++i)
+        std::memcpy(c.s.xs + rows[i] * l.hidden, c.x + c.plan.token[rows[i]] * c.x_stride,
+                    l.hidden * sizeof(float));
+    grouped_products(c.plan.gate_up, c.plan.gate_up_packs, c.plan.gate_up_units);
 #pragma omp for schedule(static)
-        for (int64_t p = p0; p < p0 + rows; ++p)
-            activate(l, e, 0, inter, c.s.gu + p * 2 * inter, c.s.gu + p * 2 * inter + inter,
-                     c.s.act + p * inter);
+    for (size_t i = 0; i < rows.size(); ++i) {
+        const float* g = c.s.gu + rows[i] * 2 * l.inter;
+        activate(l, c.plan.expert[rows[i]], 0, l.inter, g, g + l.inter,
+                 c.s.act + rows[i] * l.inter);
     }
 }
 
 // ys = act · downᵀ per expert: the small experts in one loop over (expert, DOT_GROUP hidden
-// rows) units, the large ones by the team one after the other.
+// rows) units, the large ones as one grouped product.
 void down(const Call& c) {
     const MoeLayer& l = c.l;
     const std::vector<int32_t>& small = c.plan.small;
     const int64_t groups = (l.hidden + DOT_GROUP - 1) / DOT_GROUP;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, groups) nowait
     for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
         const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
         const int64_t n1 = std::min(l.hidden, n0 + DOT_GROUP), p0 = c.plan.start[e];
@@ -243,11 +280,8 @@ void down(const Call& c) {
             std::memcpy(c.s.ys + (p0 + m) * l.hidden + n0, y + m * DOT_GROUP,
                         (n1 - n0) * sizeof(float));
     }
-    for (const int32_t e : c.plan.large) {
-        const int64_t p0 = c.plan.start[e], rows = c.plan.start[e + 1] - p0;
-        expert_product(l.down, e, c.s.act + p0 * l.inter, l.inter, c.s.ys + p0 * l.hidden,
-                       l.hidden, rows, l.hidden, l.inter);
-    }
+    if (!c.plan.large.empty())
+        grouped_products(c.plan.down, c.plan.down_packs, c.plan.down_units);
 }
 
 void combine(const Call& c) {
@@ -307,6 +341,8 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter)));
     const Scratch s{buffer.data(), buffer.data() + rows * h, buffer.data() + rows * (h + 2 * inter),
                     buffer.data() + rows * (h + 3 * inter)};
+    thread_local std::vector<float> xt;
+    plan_large(*l, s, plan, xt);
     const Call c{*l, plan, s, x, x_stride, tokens, weights, topk, out, out_stride,
                  accumulate != 0};
     const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;

@@ -25,7 +25,8 @@ from worker.native.library import I32, I64, PTR, UNAVAILABLE, build_library, ent
 logger = logging.getLogger("deltaserve")
 
 SOURCES = ("fused_moe.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_simd.h", "gguf_blocks.h",
-           "gguf_gemv.h", "gguf_gemm.h", "gguf_drive.h", "dense_blocks.h")
+           "gguf_gemv.h", "gguf_gemm.h", "gguf_drive.h", "dense_blocks.h",
+           "fused_moe_grouped.h")
 # GGML's codes of the dense types the kernel reads (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
