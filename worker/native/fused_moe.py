@@ -115,7 +115,7 @@ class FusedExperts:
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs `out`")
-            out = torch.empty(x.shape[0], self.hidden)
+            out = x.new_empty(x.shape[0], self.hidden, dtype=torch.float32)
         if self._layer is None:
             y = experts_reference(x, topk_weights, topk_ids, self)
             return out.add_(y) if accumulate else out.copy_(y)
@@ -137,7 +137,7 @@ def experts_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
                       experts: FusedExperts) -> torch.Tensor:
     """The same result in torch, grouped by expert: each active expert's rows at once."""
     hidden, inter = experts.hidden, experts.inter
-    out = torch.zeros(x.shape[0], hidden)
+    out = x.new_zeros(x.shape[0], hidden, dtype=torch.float32)
     flat = topk_ids.reshape(-1).long()
     if flat.numel() and (flat.min() < 0 or flat.max() >= experts.num_experts):
         raise RuntimeError("fused_moe: an expert id outside the layer's experts")
@@ -146,7 +146,7 @@ def experts_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
         xe = x[tokens].float()
         act = F.silu(xe @ experts.gate.dense(e, hidden).T) * (xe @ experts.up.dense(e, hidden).T)
         y = act @ experts.down.dense(e, inter).T
-        out.index_add_(0, tokens, y * topk_weights[tokens, choice, None].float())
+        out.index_add_(0, tokens, y * topk_weights[tokens, choice, None].to(y))
     return out
 
 
