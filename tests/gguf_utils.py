@@ -52,7 +52,8 @@ def _add_config(writer, cfg: dict) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(cfg.get("rope_theta")
+                              or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
 
@@ -118,3 +119,97 @@ def write_gguf(hf_dir: str, path: str, qtype: TypeChoice = None, architecture: s
                  writer.write_tensors_to_file, writer.close):
         step()
     return expected
+
+
+# Hugging Face names of a mixture-of-experts layer (after Mixtral's renames) -> GGUF's.
+_MOE_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+              "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+_MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+            ".w2.": ".down_proj."}
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert tensors (`...experts.{e}.{proj}.weight`) stacked into [E, out, in] under
+    `...experts.{proj}.weight`, as llama.cpp's converter stores them."""
+    import re
+    out, stacks = {}, {}
+    for name, w in tensors.items():
+        for old, new in _MIXTRAL.items():
+            name = name.replace(old, new)
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            stacks.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = w
+        else:
+            out[name] = w
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
+def write_moe_gguf(hf_dir: str, path: str, architecture: str,
+                   qtype: Callable[[str], QType | None]) -> dict[str, np.ndarray]:
+    """A Qwen3-MoE / Qwen2-MoE (`qwen3moe`, `qwen2moe`) or Mixtral (`llama`) directory as
+    llama.cpp lays it out: stacked experts, q/k rows permuted for llama only, a 1-D shared
+    expert gate; `qtype(name)` picks each 2-D/3-D tensor's type by its (common) HF name.
+    Returns the tensors a faithful reader gives back (dequantized), by HF checkpoint name."""
+    from safetensors.numpy import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, architecture)
+    _add_config(writer, cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if architecture != "llama":
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    _add_tokenizer(writer, hf_dir)
+    expected = {}
+    tensors = _stack_experts(load_file(os.path.join(hf_dir, "model.safetensors")))
+    for i, (hf_name, w) in enumerate(sorted(tensors.items())):
+        stored = w.astype(np.float32)
+        projection = hf_name.rsplit(".", 2)[-2]
+        rope_heads = {"q_proj": heads, "k_proj": kv_heads}.get(projection) \
+            if architecture == "llama" else None
+        if rope_heads:
+            stored = _llama_cpp_permute(stored, rope_heads)
+        if hf_name.endswith("shared_expert_gate.weight"):
+            stored = stored.reshape(-1)
+        chosen = qtype(hf_name) if stored.ndim >= 2 else None
+        gguf_name = _moe_gguf_name(hf_name)
+        if chosen is None:
+            writer.add_tensor(gguf_name, stored)
+        else:
+            rows = stored.reshape(-1, stored.shape[-1])
+            blocks = quantized(rows, chosen, seed=i)
+            writer.add_tensor(gguf_name, blocks.reshape(*stored.shape[:-1], -1), raw_dtype=chosen)
+            stored = gguf.quants.dequantize(blocks, chosen).reshape(stored.shape)
+        expected[hf_name] = (_unpermute(stored, rope_heads) if rope_heads else stored).reshape(
+            w.shape)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    return expected
+
+
+def _moe_gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    base, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_MOE_LAYER[base]}.{suffix}"

@@ -24,7 +24,17 @@ ARCHS = {
         "query_pre_attn_scalar": 24, "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}}),
+    # Mixture-of-experts: 8 experts, 3 per token; layer 1 of Qwen3-MoE stays dense.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 3, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 96, "norm_topk_prob": False}),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
 NEAR_TIE = 1e-4  # logit gap below which a different argmax is not a bug
 
 
@@ -71,8 +81,20 @@ def make_tiny_model(directory: str, arch: str = "llama", seed: int = 0,
     config = getattr(transformers, config_cls)(**values)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval().to(dtype)
+    if arch in MOE_ARCHS:
+        _skew_routers(model)
     model.save_pretrained(directory)
     return directory
+
+
+def _skew_routers(model) -> None:
+    """Uneven routing: router row e scaled by 1 + e, so the later experts' logits spread
+    wider and they make the top k about twice as often as the first."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                scale = 1 + torch.arange(param.shape[0], dtype=param.dtype)
+                param.mul_(scale[:, None])
 
 
 @dataclass

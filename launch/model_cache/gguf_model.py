@@ -22,7 +22,9 @@ from worker.models.gguf_checkpoint import GGUFCheckpoint, GGUFFileError
 MARKER = "deltaserve-gguf.json"
 FORMAT = 1  # bump when the directory's contents change: cached directories rebuild
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None) -> str:
@@ -50,6 +52,7 @@ def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None)
 def _config_dict(config: Any, checkpoint: GGUFCheckpoint, gguf_name: str) -> dict[str, Any]:
     hf: dict[str, Any] = config.to_diff_dict()
     hf.pop("_model_name_or_path", None)  # the GGUF's `general.name`, not a path
+    hf.update(checkpoint.moe_config())
     if hf.get("model_type") not in _ARCHITECTURES:
         raise GGUFConversionError(f"{checkpoint.path} holds a {hf.get('model_type')!r} model; "
                                   f"supported: {', '.join(_ARCHITECTURES)}")

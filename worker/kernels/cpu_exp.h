@@ -28,3 +28,20 @@ inline float exp_nonpositive(float x) {
     const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
     return x < -87.0f ? 0.0f : exp_polynomial(exp_remainder(c, n)) * two_n;
 }
+
+// silu(x) = x * sigmoid(x), the exponent never positive (no overflow for any x):
+// sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, with e = exp(-|x|).
+inline float silu(float x) {
+    const float e = exp_nonpositive(x < 0.0f ? x : -x);
+    return x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
+}
+
+// gelu with the tanh approximation (torch's approximate="tanh"):
+// 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2y) =
+// x / (1 + e) for y >= 0 and x e / (1 + e) for y < 0, e = exp(-2|y|): no overflow and no
+// cancellation in 1 + tanh(y) (torch's form loses bits there, so ours is the closer one).
+inline float gelu_tanh(float x) {
+    const float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
+    return x * ((y < 0.0f ? e : 1.0f) / (1.0f + e));
+}

@@ -38,6 +38,21 @@ class LinearBase(nn.Module):
         return self.quant_method.compute_dtype(self)
 
 
+class ReplicatedLinear(LinearBase):
+    """y = x W^T + b with the whole W on every rank (a router: every rank routes alike)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
+                 bias: bool = False, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(in_features, out_features, tp, bias, quant_config, prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
@@ -132,15 +147,21 @@ def _even_part(total: int, parts: int, index: int) -> tuple[int, int]:
 
 class RowParallelLinear(LinearBase):
     """y = all_reduce(x_shard W_shard^T) + b with W's columns (input features) split: evenly,
-    or as `shard` = (start, size) gives (o_proj follows the query heads' uneven split)."""
+    or as `shard` = (start, size) gives (o_proj follows the query heads' uneven split). With
+    `reduce_results=False` it returns this rank's partial product (no bias): the caller adds
+    it to other partial sums and reduces once."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
                  bias: bool = False, shard: tuple[int, int] | None = None,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 reduce_results: bool = True) -> None:
         if shard is None:
             size = tp.shard(in_features, "input features")
             shard = (tp.rank * size, size)
         self.in_start, self.in_per_rank = shard
+        if bias and not reduce_results:
+            raise ValueError(f"{prefix}: a bias needs the reduced result")
+        self.reduce_results = reduce_results
         super().__init__(self.in_per_rank, out_features, tp, bias, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -148,5 +169,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(param.shard_dims.input(loaded, self.in_start, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.quant_method.apply(self, x))
+        y = self.quant_method.apply(self, x)
+        if not self.reduce_results:
+            return y
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -2,10 +2,11 @@
 fields, and the values its model does not implement."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.models.config import ModelConfig, UnsupportedModelError
+from worker.models.config import ModelConfig, MoEConfig, UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +118,38 @@ class Gemma3Adapter:
 
 
 GEMMA3 = Gemma3Adapter()
+
+
+@dataclass(frozen=True, slots=True)
+class MoEAdapter(ConfigAdapter):
+    """A mixture-of-experts architecture: the Llama-family attention its base fields say, and
+    the experts' fields under this architecture's names."""
+
+    expert_size_key: str = "moe_intermediate_size"  # Mixtral: intermediate_size
+    norm_topk_prob: bool | None = None  # fixed by the architecture (Mixtral), else config's
+    shared_expert: bool = False  # Qwen2-MoE: a shared expert with a sigmoid gate
+
+    def model_config(self, architecture: str, hf: dict[str, Any]) -> ModelConfig:
+        config = ConfigAdapter.model_config(self, architecture, hf)
+        return dataclasses.replace(config, moe=self.moe_config(hf))
+
+    def moe_config(self, hf: dict[str, Any]) -> MoEConfig:
+        # Mixtral's name, and what transformers 5 writes for Qwen3-MoE too
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        top_k = int(hf["num_experts_per_tok"])
+        if experts and not 0 < top_k <= experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={top_k} with {experts} experts")
+        norm = self.norm_topk_prob
+        return MoEConfig(
+            num_experts=experts, top_k=top_k, intermediate_size=int(hf[self.expert_size_key]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if norm is None else norm,
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+            if self.shared_expert else 0,
+            sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
+
+
+QWEN3_MOE = MoEAdapter("qwen3_moe", qk_norm=True)
+QWEN2_MOE = MoEAdapter("qwen2_moe", qkv_bias=True, shared_expert=True)
+MIXTRAL = MoEAdapter("mixtral", sliding_window=True, expert_size_key="intermediate_size",
+                     norm_topk_prob=True)

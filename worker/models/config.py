@@ -21,6 +21,23 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts model's routing and expert shapes (its adapter reads them)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each routed expert's
+    norm_topk_prob: bool  # the top-k probabilities renormalized to sum 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (decoder_sparse_step) ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
+
+    def is_sparse(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.sparse_step == 0)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -41,6 +58,7 @@ class ModelConfig:
     eos_token_id: int | None
     quantization: str  # the checkpoint's: quantization_config's quant_method (gguf), or none
     hf: dict[str, Any] = field(repr=False, compare=False)
+    moe: MoEConfig | None = None  # set by a mixture-of-experts architecture's adapter
 
     @staticmethod
     def from_dict(hf: dict[str, Any], architecture: str, *, attention_bias: bool,

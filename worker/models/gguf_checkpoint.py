@@ -2,11 +2,17 @@
 GGUF blocks (uint8 [rows, row bytes], as the quantized methods load them) or dequantized to
 float32.
 
-llama.cpp's converter stores each query and key head's rows of a Llama with the two rotary
-halves interleaved (row 2j + i of a head holds half i, row j); reading undoes that by
-reordering whole rows, so blocks stay intact. It stores Gemma's (1 + w) norm weights as 1 + w;
-reading subtracts 1 in float32, as transformers does, so both read the same w. Tensor shapes in a GGUF file are listed innermost first;
-`shapes` gives them as Hugging Face does ([out_features, in_features]).
+llama.cpp's converter stores each query and key head's rows of a Llama (and Mixtral) model
+with the two rotary halves interleaved (row 2j + i of a head holds half i, row j); reading
+undoes that by reordering whole rows, so blocks stay intact (Qwen's and Gemma's converters do
+not permute). It stores Gemma's (1 + w) norm weights as 1 + w; reading subtracts 1 in float32,
+as transformers does, so both read the same w. Tensor shapes in a GGUF file are listed
+innermost first; `shapes` gives them as Hugging Face does ([out_features, in_features];
+stacked experts [experts, out, in]).
+
+Mixture-of-experts files keep each layer's experts stacked (`ffn_{gate,up,down}_exps`); they
+are named `model.layers.N.mlp.experts.{gate,up,down}_proj.weight` here, the router
+`mlp.gate`, a shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.
 """
 from __future__ import annotations
 
@@ -29,13 +35,23 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-# general.architecture -> its layer tensors' Hugging Face names (Mistral is stored as llama).
+# A mixture-of-experts layer's router, stacked experts and shared expert.
+_MOE_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+              "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_HEAD_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# general.architecture -> its layer tensors' Hugging Face names (Mistral and Mixtral are
+# stored as llama).
 LAYER_NAMES = {
-    "llama": _LAYER,
-    "gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+    "llama": {**_LAYER, **_MOE_LAYER},
+    "qwen2moe": {**_LAYER, **_MOE_LAYER},
+    "qwen3moe": {**_LAYER, **_MOE_LAYER, **_HEAD_NORMS},
+    "gemma3": {**_LAYER, **_HEAD_NORMS, "ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+               "post_ffw_norm": "post_feedforward_layernorm"},
 }
 SUPPORTED_ARCHITECTURES = tuple(LAYER_NAMES)
 _ROPE_PERMUTED = ("llama",)  # q/k rows interleaved by llama.cpp's converter
@@ -131,6 +147,33 @@ class GGUFCheckpoint:
             raise GGUFFileError(f"{self.path}: tensor {t.name!r} has type "
                                 f"{t.tensor_type.name}, which deltaserve cannot read")
 
+    def moe_config(self) -> dict[str, object]:
+        """config.json fields of a mixture-of-experts file that transformers' GGUF reader
+        leaves out (none for a dense file): expert sizes, the dense layers (those without a
+        router), and what llama.cpp fixes per architecture (Qwen3-MoE and Mixtral renormalize
+        the top-k weights, Qwen2-MoE does not; a llama file with experts is Mixtral)."""
+        arch, fields = self.architecture, self.reader.fields
+        experts = fields.get(f"{arch}.expert_count")
+        if experts is None or int(experts.contents()) == 0:
+            return {}
+        layers = int(self._field(f"{arch}.block_count"))
+        sparse = {int(n.split(".")[2]) for n in self.tensors if n.endswith(".mlp.gate.weight")}
+        out: dict[str, object] = {
+            "num_experts_per_tok": int(self._field(f"{arch}.expert_used_count")),
+            "mlp_only_layers": [i for i in range(layers) if i not in sparse],
+            "decoder_sparse_step": 1}
+        norm = fields.get(f"{arch}.expert_weights_norm")
+        if arch == "llama":
+            out.update(model_type="mixtral", num_local_experts=int(experts.contents()))
+        else:
+            out.update(num_experts=int(experts.contents()), norm_topk_prob=bool(
+                norm.contents() if norm is not None else arch == "qwen3moe"),
+                moe_intermediate_size=int(self._field(f"{arch}.expert_feed_forward_length")))
+            shared = fields.get(f"{arch}.expert_shared_feed_forward_length")
+            if shared is not None:
+                out["shared_expert_intermediate_size"] = int(shared.contents())
+        return out
+
     def heads(self) -> tuple[int, int]:
         """(query heads, KV heads) as the file stores them."""
         heads = int(self._field(f"{self.architecture}.attention.head_count"))
@@ -162,8 +205,10 @@ class GGUFCheckpoint:
             yield name, tensor
 
     def _blocks(self, name: str, t) -> torch.Tensor:
-        rows = int(np.prod(self.shapes[name][:-1]))  # 1 for a vector
-        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        """uint8 [rows, row bytes], or [experts, rows, row bytes] for stacked experts."""
+        shape = self.shapes[name]
+        rows = shape[:-1] if len(shape) == 3 else (int(np.prod(shape[:-1])),)  # (1,): a vector
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*rows, -1))
 
     def _dense(self, name: str, t) -> torch.Tensor:
         code, shape = self.types[name], self.shapes[name]
@@ -172,7 +217,7 @@ class GGUFCheckpoint:
             if code == 30:  # bfloat16 arrives as uint16 bits
                 return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float()
             return torch.from_numpy(data).float()
-        blocks = self._blocks(name, t)
+        blocks = self._blocks(name, t).flatten(0, -2)
         if gguf_ops.supported(code):
             return gguf_ops.dequantize(blocks, code, blocks.shape[0], shape[-1]).view(shape)
         import gguf.quants

@@ -2,6 +2,8 @@
 (per-head q/k RMSNorm). Tensor parallelism lives in the layers; shapes are per rank."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -51,18 +53,38 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); `intermediate_size` defaults to the config's. Without
+    `reduce_results`, a rank returns its partial sum (a MoE block's shared expert)."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallel,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+                 quant_config: QuantizationConfig | None, prefix: str,
+                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], tp, quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(size, config.hidden_size, tp,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.down_proj.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+# Builds layer `index`'s MLP: (config, tp, quant_config, index, prefix) -> module with
+# `compute_dtype`, mapping [tokens, hidden] in that dtype to the same (reduced across ranks).
+MLPFactory = Callable[[ModelConfig, TensorParallel, QuantizationConfig | None, int, str],
+                      nn.Module]
+
+
+def llama_mlp(config: ModelConfig, tp: TensorParallel, quant_config: QuantizationConfig | None,
+              index: int, prefix: str) -> nn.Module:
+    return LlamaMLP(config, tp, quant_config, prefix)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,16 +97,17 @@ class LlamaDecoderLayer(nn.Module):
     output for the next layer's (or the final) norm to add."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+                 quant_config: QuantizationConfig | None, prefix: str,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp, backend, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp, quant_config, f"{prefix}.mlp")
+        self.mlp = mlp or LlamaMLP(config, tp, quant_config, f"{prefix}.mlp")
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.mlp.down_proj.compute_dtype
+        return self.mlp.compute_dtype
 
     def native_norms(self) -> LayerNorms:
         attn = self.self_attn
@@ -111,12 +134,13 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
                  max_positions: int, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, make_mlp: MLPFactory = llama_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                    quant_config, f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, backend, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, tp, backend, quant_config, f"{prefix}.layers.{i}",
+                              make_mlp(config, tp, quant_config, i, f"{prefix}.layers.{i}.mlp"))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
@@ -153,13 +177,19 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
+    # Checkpoint name substrings replaced before anything else (an architecture whose
+    # checkpoints name a module differently from the modules here).
+    checkpoint_renames: dict[str, str] = {}
+    # Each decoder layer's MLP (a MoE architecture makes some of them sparse).
+    make_mlp: MLPFactory = staticmethod(llama_mlp)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, backend: AttentionBackend,
                  max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         """Weights come from `quant_config`'s methods (None: dense)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, backend, max_positions, quant_config, "model")
+        self.model = LlamaModel(config, tp, backend, max_positions, quant_config, "model",
+                                self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config,
                                       "lm_head")
         if config.tie_word_embeddings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 
@@ -19,17 +20,27 @@ from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.quantization.gguf import (
     GGUFConfig,
     GGUFEmbeddingMethod,
+    GGUFFusedMoEMethod,
     GGUFLinearMethod,
     GGUFLMHeadMethod,
     kept_tensors,
 )
-from worker.layers.quantization.int8 import Int8Config, Int8LinearMethod, Int8LMHeadMethod
+from worker.layers.quantization.int8 import (
+    Int8Config,
+    Int8FusedMoEMethod,
+    Int8LinearMethod,
+    Int8LMHeadMethod,
+)
 from worker.layers.quantization.unquantized import UnquantizedConfig
 from worker.models.config import ModelConfig
 from worker.models.gguf_checkpoint import GGUFCheckpoint, gguf_file_of
 from worker.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An expert's tensor: `<experts module>.<e>.<projection>.weight` (one expert), or without the
+# index (all experts stacked), `.weight` optional (transformers 5's fused parameters).
+_EXPERT_TENSOR = re.compile(r"(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
+                            r"(?:\.weight)?")
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -74,12 +85,12 @@ def weights_summary(model: nn.Module, quantization: str) -> str:
     kept: Counter[str] = Counter()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, GGUFLinearMethod):
+        if isinstance(method, (GGUFLinearMethod, GGUFFusedMoEMethod)):
             kept.update(t.name for t in method.types)
         elif isinstance(method, (GGUFEmbeddingMethod, GGUFLMHeadMethod)) and not (
                 module is model.lm_head and model.config.tie_word_embeddings):
             kept[method.qtype.name] += 1
-        elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod)):
+        elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod, Int8FusedMoEMethod)):
             kept["int8"] += 1
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     listed = ", ".join(f"{name} x{count}" for name, count in kept.items())
@@ -123,7 +134,9 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        name, part = _param_name(name, model.packed_modules)
+        for old, new in model.checkpoint_renames.items():
+            name = name.replace(old, new)
+        name, part = _expert_param(name, modules) or _param_name(name, model.packed_modules)
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in "
                              f"{model.config.architecture}")
@@ -133,6 +146,18 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {source!r} is missing weights: {missing[:8]}")
+
+
+def _expert_param(name: str, modules: dict[str, nn.Module]) -> tuple[str, object] | None:
+    """An experts module's parameter and (expert or None, shard) for an expert's tensor."""
+    match = _EXPERT_TENSOR.fullmatch(name)
+    module = modules.get(match["module"]) if match else None
+    target = getattr(module, "expert_weights", {}).get(match["proj"]) if match else None
+    if target is None:
+        return None
+    param, shard = target
+    expert = None if match["expert"] is None else int(match["expert"])
+    return f"{match['module']}.{param}", (expert, shard)
 
 
 def _param_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:

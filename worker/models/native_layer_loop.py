@@ -7,9 +7,9 @@ A model is taken when its decoder layers say what their norms are (`native_norms
 two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
 (`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: tensor
 parallelism 1 on the CPU, float32 compute, the native attention backend with a float32
-cache, every linear layer with native weights (GGUF, int8), no biases. Each layer attends
-through its own KV group (block table, slots, sliding window). DELTASERVE_NATIVE_LAYERS=0
-turns it off.
+cache, every linear layer with native weights (GGUF, int8), no biases, dense MLPs (a mixture-of-experts layer is not
+taken). Each layer attends through its own KV group (block table, slots, sliding window).
+DELTASERVE_NATIVE_LAYERS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def _pointer(norm: RMSNorm | None) -> int | None:
 def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
     """A decoder layer's table entry, or None when it is not taken."""
     attn, mlp, norms = layer.self_attn, layer.mlp, layer.native_norms()
-    if (attn.o_proj.tp.world_size != 1 or not isinstance(attn.backend, CpuAttentionBackend)
-            or not _float_rows(rotary.cos)):
+    if (not hasattr(mlp, "gate_up_proj") or attn.o_proj.tp.world_size != 1
+            or not isinstance(attn.backend, CpuAttentionBackend) or not _float_rows(rotary.cos)):
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(x is None for x in linears) or any(not _float_rows(n.weight) for n in norms.all()):

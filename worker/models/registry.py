@@ -16,8 +16,11 @@ from worker.models.adapters import (
     GEMMA3,
     LLAMA,
     MISTRAL,
+    MIXTRAL,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
+    QWEN3_MOE,
     ConfigAdapter,
     Gemma3Adapter,
 )
@@ -30,6 +33,9 @@ _MODELS: dict[str, tuple[str, str, ConfigAdapter | Gemma3Adapter]] = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM", QWEN2),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM", QWEN3),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", GEMMA3),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3_MOE),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", MIXTRAL),  # without sliding window
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 _BY_MODEL_TYPE = {adapter.model_type: arch for arch, (_, _, adapter) in _MODELS.items()}

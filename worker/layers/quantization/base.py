@@ -105,6 +105,31 @@ class EmbeddingMethodBase(QuantizeMethodBase):
         """ids [n] within this rank's rows -> their rows [n, hidden] in the compute dtype."""
 
 
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """A FusedMoE layer's expert weights (worker/layers/fused_moe/layer.py): `w13_weight`
+    (gate and up of each expert, [E, 2 * inter_per_rank, hidden] as stored) and `w2_weight`
+    (down, [E, hidden, inter_per_rank]); each parameter's `shard_dims` describe one expert's
+    [out, in] matrix. After loading, `layer.fused_experts` (worker/native/fused_moe.py) is
+    bound to them and runs every product."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,  # type: ignore[override]
+                       inter_per_rank: int) -> None:
+        """Register `w13_weight` and `w2_weight` on `layer`, made with `parameter`."""
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype of the layers around these experts: the dense weights' (as a dense
+        linear method says), float32 for quantized ones. The experts themselves take and
+        return float32 whatever their weights' dtype."""
+        return torch.float32
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] float32, the routing [T, top_k] -> this rank's partial sum
+        Σ_j weight · expert(x) [T, hidden] float32 (not reduced across ranks)."""
+        return layer.fused_experts(x, topk_weights, topk_ids)
+
+
 class QuantizationConfig(ABC):
     """Which weight method each layer gets; `prefix` is the layer's name in the model
     (`model.layers.0.self_attn.qkv_proj`), for configs that treat some layers differently."""
@@ -121,3 +146,8 @@ class QuantizationConfig(ABC):
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         """The LM head's method (weights `[rows_per_rank, hidden]`); its `apply` returns
         float32 logits whatever the compute dtype."""
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+        """A FusedMoE layer's method (`prefix`: the layer's name, e.g.
+        `model.layers.0.mlp.experts`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no mixture-of-experts weights")

@@ -16,6 +16,7 @@ from torch import nn
 
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
+    FusedMoEMethodBase,
     LinearMethodBase,
     NativeWeights,
     QuantizationConfig,
@@ -24,10 +25,12 @@ from worker.layers.quantization.base import (
 )
 from worker.layers.quantization.unquantized import (
     UnquantizedEmbeddingMethod,
+    UnquantizedFusedMoEMethod,
     UnquantizedLinearMethod,
     UnquantizedLMHeadMethod,
 )
 from worker.native import gguf_ops
+from worker.native.fused_moe import bind_stacked
 from worker.native.gguf_matrix import GgufMatrix
 from worker.native.gguf_ops import GgufType
 
@@ -68,8 +71,12 @@ def _check_blocks(layer: nn.Module, prefix: str, qtype: GgufType, in_per_rank: i
 def _byte_rows(layer: nn.Module, rows: int, width: int, qtype: GgufType) -> None:
     """`weight` uint8 [rows, width]: GGUF rows as stored (a row-parallel rank's rows are the
     byte ranges of its blocks)."""
+    layer.weight = _blocks_parameter((rows, width), qtype)
+
+
+def _blocks_parameter(shape: tuple[int, ...], qtype: GgufType) -> nn.Parameter:
     dims = ShardDims(input_block=qtype.block_elems, input_block_stored=qtype.block_bytes)
-    layer.weight = parameter(torch.zeros(rows, width, dtype=torch.uint8), dims)
+    return parameter(torch.zeros(shape, dtype=torch.uint8), dims)
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -158,6 +165,32 @@ class GGUFLMHeadMethod(_GgufTable, LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
 
+class GGUFFusedMoEMethod(FusedMoEMethodBase):
+    """Stacked experts kept in their GGUF blocks (llama.cpp's `ffn_{gate,up,down}_exps`):
+    `w13_weight` uint8 [E, 2 * inter_per_rank, row bytes] (gate rows, then up rows; a row
+    narrower than the wider type's is zero-padded at its end, never read), `w2_weight` uint8
+    [E, hidden, row bytes of inter_per_rank] (a rank's block-aligned byte range of each row).
+    `types`: gate's, up's and down's."""
+
+    def __init__(self, prefix: str, types: list[GgufType]) -> None:
+        self.prefix = prefix
+        self.types = types
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,  # type: ignore[override]
+                       inter_per_rank: int) -> None:
+        gate, up, down = self.types
+        _check_blocks(layer, f"{self.prefix}.down_proj", down, inter_per_rank)
+        width = max(gate.row_bytes(hidden), up.row_bytes(hidden))
+        layer.w13_weight = _blocks_parameter((num_experts, 2 * inter_per_rank, width), gate)
+        layer.w2_weight = _blocks_parameter((num_experts, hidden, down.row_bytes(inter_per_rank)),
+                                            down)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.fused_experts = bind_stacked(layer.w13_weight.data, layer.w2_weight.data,
+                                           layer.w2_weight.shape[1],
+                                           tuple(t.code for t in self.types))
+
+
 class GGUFConfig(QuantizationConfig):
     """`kept`: checkpoint tensor name -> its GGUF type, for the tensors that stay in their
     blocks (see kept_tensors); `packed`: the model's merged layers (checkpoint projection ->
@@ -191,16 +224,27 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLMHeadMethod(qtype) if qtype else UnquantizedLMHeadMethod()
 
 
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+        """Blocks kept when gate, up and down all have kernels; else dense float32."""
+        names = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        if all(name in self.kept for name in names):
+            return GGUFFusedMoEMethod(prefix, [self.kept[name] for name in names])
+        return UnquantizedFusedMoEMethod()
+
+
 def kept_tensors(types: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]],
                  packed: Mapping[str, tuple[str, object]]) -> dict[str, GgufType]:
-    """The 2-D tensors (by checkpoint name) that stay in their blocks: those with a kernel
-    whose merged layer's other parts have kernels too. `types`: name -> GGML type code."""
+    """The 2-D tensors (by checkpoint name), and 3-D stacked experts, that stay in their
+    blocks: those with a kernel whose merged layer's other parts have kernels too. `types`:
+    name -> GGML type code."""
     groups: dict[str, list[str]] = {}
     for name in types:
         merged = name
         for projection, (target, _) in packed.items():
             merged = merged.replace(f".{projection}.", f".{target}.")
+        if len(shapes[name]) == 3:  # a layer's stacked experts: one method for all three
+            merged = name.rsplit(".", 2)[0]
         groups.setdefault(merged, []).append(name)
     return {name: gguf_ops.gguf_type(types[name]) for group in groups.values()
-            if all(gguf_ops.supported(types[n]) and len(shapes[n]) == 2 for n in group)
+            if all(gguf_ops.supported(types[n]) and len(shapes[n]) in (2, 3) for n in group)
             for name in group}

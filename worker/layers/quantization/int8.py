@@ -14,14 +14,19 @@ from torch import nn
 
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
+    FusedMoEMethodBase,
     LinearMethodBase,
     NativeWeights,
     QuantizationConfig,
     ShardDims,
     parameter,
 )
-from worker.layers.quantization.unquantized import UnquantizedEmbeddingMethod
+from worker.layers.quantization.unquantized import (
+    UnquantizedEmbeddingMethod,
+    UnquantizedFusedMoEMethod,
+)
 from worker.native import gguf_ops
+from worker.native.fused_moe import bind_stacked
 from worker.native.gguf_matrix import GgufMatrix
 
 I8 = gguf_ops.gguf_type("I8")
@@ -113,6 +118,27 @@ class Int8LMHeadMethod(LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
 
+class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads float experts; after loading, `w13_weight` and `w2_weight` are int8 with
+    `w13_scale` [E, 2 * inter] and `w2_scale` [E, hidden] float32 (one scale per expert row),
+    multiplied by the fused kernel's I8 type (hidden and inter multiples of 32; else its
+    torch fallback)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        quantized = []
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, name).data
+            q, scale = quantize_rows(w.reshape(-1, w.shape[2]))
+            setattr(layer, name, nn.Parameter(q.view(w.shape), requires_grad=False))
+            quantized.append((q.view(torch.uint8).view(w.shape), scale.view(w.shape[:2])))
+        (q13, layer.w13_scale), (q2, layer.w2_scale) = quantized
+        layer.fused_experts = bind_stacked(q13, q2, q2.shape[1], (I8.code,) * 3,
+                                           layer.w13_scale, layer.w2_scale)
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        return torch.float32
+
+
 class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return Int8LinearMethod()
@@ -122,3 +148,6 @@ class Int8Config(QuantizationConfig):
 
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return Int8LMHeadMethod()
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+        return Int8FusedMoEMethod()

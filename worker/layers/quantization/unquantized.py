@@ -9,11 +9,13 @@ from torch import nn
 from worker.layers import onednn_linear
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
+    FusedMoEMethodBase,
     LinearMethodBase,
     QuantizationConfig,
     ShardDims,
     parameter,
 )
+from worker.native.fused_moe import bind_stacked
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -69,6 +71,25 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
         return onednn_linear.linear(x.float(), layer.weight_float32, bias)
 
 
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Dense experts in the model dtype (float32, bfloat16 or float16, as the loader casts
+    them), multiplied by the fused kernel with float32 accumulation."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,  # type: ignore[override]
+                       inter_per_rank: int) -> None:
+        layer.w13_weight = parameter(torch.empty(num_experts, 2 * inter_per_rank, hidden),
+                                     ShardDims())
+        layer.w2_weight = parameter(torch.empty(num_experts, hidden, inter_per_rank),
+                                    ShardDims())
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.fused_experts = bind_stacked(layer.w13_weight.data, layer.w2_weight.data,
+                                           layer.w2_weight.shape[1])
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        return layer.w13_weight.dtype
+
+
 class UnquantizedConfig(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return UnquantizedLinearMethod()
@@ -78,3 +99,6 @@ class UnquantizedConfig(QuantizationConfig):
 
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return UnquantizedLMHeadMethod()
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+        return UnquantizedFusedMoEMethod()

@@ -1,0 +1,354 @@
+// A mixture-of-experts feed-forward over one step's tokens, in one call and one OpenMP
+// parallel region (worker/layers/fused_moe/):
+//   out[t] (+)= Σ_j weight[t, j] · down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
+// 1. group: the (token, choice) rows sorted by expert (a counting sort, tokens ascending
+//    within an expert), serially before the region; inactive experts are never read;
+// 2. gate/up and SiLU: experts with few rows (decode) share one worksharing loop over units
+//    of (expert, DOT_GROUP intermediate columns), each dotting its gate and up rows with the
+//    rows' x in place (gguf_gemv.h's tiles) and activating them; an expert with more rows
+//    (prefill) gathers its x and runs gguf_drive.h's `drive<Q>` (the strips driver) by the
+//    whole team, then activates;
+// 3. down: likewise, into [rows, hidden];
+// 4. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (a
+//    token's result does not depend on the rest of the batch), into out or added to it.
+// A decode step passes three barriers. Weights: GGUF blocks, int8 (I8 with row scales) or
+// dense float32 / bfloat16 / float16 rows (dense_blocks.h), each decoded to float32 in
+// registers; float32 activations and accumulation throughout.
+//
+// Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
+// [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
+// set holds E matrices [n, k]: matrix e's row r at w + e * expert_stride + r * row_stride
+// (bytes), as GGUF blocks or dense elements; `scale` (or null) is float32 [E, n] with expert
+// stride scale_stride: output column c of matrix e is multiplied by scale[e, c].
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_dtypes.h"
+#include "cpu_exp.h"
+
+namespace {
+
+#include "cpu_simd.h"
+#include "gguf_blocks.h"
+#include "gguf_gemv.h"
+#include "gguf_gemm.h"
+#include "gguf_drive.h"
+#include "dense_blocks.h"
+
+}  // namespace
+
+// Mirrored by ctypes Structures in worker/native/fused_moe.py (same order and types).
+struct ExpertWeights {
+    int64_t qtype; const void* w; int64_t expert_stride, row_stride;
+    const float* scale; int64_t scale_stride;
+};
+struct MoeLayer {
+    int64_t num_experts, hidden, inter;  // inter: this rank's intermediate size
+    ExpertWeights gate, up, down;        // gate/up [E, inter, hidden], down [E, hidden, inter]
+};
+
+namespace {
+
+#include "fused_moe_grouped.h"
+
+// The step's (token, choice) rows grouped by expert; rows of expert e are [start[e],
+// start[e + 1]) of the sorted order.
+struct Plan {
+    std::vector<int64_t> start;   // [E + 1]
+    std::vector<int32_t> token;   // [P]: sorted row p's token
+    std::vector<int32_t> expert;  // [P]: sorted row p's expert
+    std::vector<int64_t> slot;    // [tokens * topk]: where choice (t, j) went
+    std::vector<int32_t> small;   // active experts of at most DOT_ROWS rows, ascending
+    std::vector<int32_t> large;   // active experts of more rows, ascending
+    std::vector<int64_t> large_rows;  // the sorted rows of the large experts
+    // the large experts' grouped products (fused_moe_grouped.h) and their loops' sizes
+    std::vector<GroupedProduct> gate_up, down;
+    int64_t gate_up_packs = 0, gate_up_units = 0, down_packs = 0, down_units = 0;
+};
+
+// Status 1 for an expert id outside [0, E).
+int group_by_expert(const int32_t* ids, int64_t rows, int64_t topk, int64_t num_experts,
+                    Plan& plan) {
+    plan.start.assign(num_experts + 1, 0);
+    for (int64_t i = 0; i < rows; ++i) {
+        if (ids[i] < 0 || ids[i] >= num_experts) return 1;
+        ++plan.start[ids[i] + 1];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) plan.start[e + 1] += plan.start[e];
+    std::vector<int64_t> next(plan.start.begin(), plan.start.end() - 1);
+    plan.token.resize(rows);
+    plan.expert.resize(rows);
+    plan.slot.resize(rows);
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t p = next[ids[i]]++;
+        plan.token[p] = static_cast<int32_t>(i / topk);
+        plan.expert[p] = ids[i];
+        plan.slot[i] = p;
+    }
+    plan.small.clear();
+    plan.large.clear();
+    plan.large_rows.clear();
+    for (int32_t e = 0; e < num_experts; ++e) {
+        const int64_t n = plan.start[e + 1] - plan.start[e];
+        if (n > 0) (n <= DOT_ROWS ? plan.small : plan.large).push_back(e);
+        for (int64_t p = plan.start[e]; n > DOT_ROWS && p < plan.start[e + 1]; ++p)
+            plan.large_rows.push_back(p);
+    }
+    return 0;
+}
+
+// Elements a weight set's rows hold, checked against its type: 0 when fine, 1 for a K that
+// is not whole blocks, 2 for an unknown type.
+int check_weights(const ExpertWeights& w, int64_t k) {
+    int status = 0;
+    const bool known = with_weight_type(static_cast<int>(w.qtype), [&]<class Q>() {
+        if (k <= 0 || k % Q::kElems) status = 1;
+    });
+    return known ? status : 2;
+}
+
+// Gate and up are one matrix of 2 * inter rows: adjacent rows of one type and layout.
+bool fused_gate_up(const MoeLayer& l) {
+    const ExpertWeights &g = l.gate, &u = l.up;
+    return g.qtype == u.qtype && g.expert_stride == u.expert_stride &&
+           g.row_stride == u.row_stride && !g.scale && !u.scale &&
+           static_cast<const uint8_t*>(u.w) == static_cast<const uint8_t*>(g.w) +
+                                                     l.inter * g.row_stride;
+}
+
+struct Scratch {
+    float* xs;   // [P, hidden]: gathered x (experts with more than DIRECT_ROWS rows)
+    float* gu;   // [P, 2 * inter]: gate | up (likewise)
+    float* act;  // [P, inter]
+    float* ys;   // [P, hidden]: down's output
+};
+
+// The large experts' grouped products over the scratch rows (gate and up one product when
+// they are one matrix, else two sharing the packed x), their packed x in `xt`.
+void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<float>& xt) {
+    const int64_t h = l.hidden, inter = l.inter;
+    const bool fused = fused_gate_up(l);
+    plan.gate_up.clear();
+    plan.down.clear();
+    int64_t gp = 0, gu = 0, dp = 0, du = 0, need = 0;
+    std::vector<int64_t> at;  // each product's xt offset
+    for (const int32_t e : plan.large) {
+        const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
+        GroupedProduct g{&l.gate, e, m, fused ? 2 * inter : inter, h, s.xs + p0 * h, h,
+                         nullptr, true, s.gu + p0 * 2 * inter, 2 * inter};
+        at.push_back(need);
+        need += lay_out(g, nullptr, gp, gu);
+        plan.gate_up.push_back(g);
+        if (!fused) {
+            GroupedProduct u{&l.up, e, m, inter, h, s.xs + p0 * h, h, nullptr, false,
+                             s.gu + p0 * 2 * inter + inter, 2 * inter};
+            at.push_back(at.back());
+            lay_out(u, nullptr, gp, gu);
+            plan.gate_up.push_back(u);
+        }
+    }
+    for (const int32_t e : plan.large) {
+        const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
+        GroupedProduct d{&l.down, e, m, h, inter, s.act + p0 * inter, inter, nullptr, true,
+                         s.ys + p0 * h, h};
+        at.push_back(need);
+        need += lay_out(d, nullptr, dp, du);
+        plan.down.push_back(d);
+    }
+    xt.resize(static_cast<size_t>(need));
+    size_t i = 0;
+    for (auto* products : {&plan.gate_up, &plan.down})
+        for (GroupedProduct& p : *products) p.xt = xt.data() + at[i++];
+    plan.gate_up_packs = gp;
+    plan.gate_up_units = gu;
+    plan.down_packs = dp;
+    plan.down_units = du;
+}
+
+struct Call {
+    const MoeLayer& l; const Plan& plan; const Scratch& s;
+    const float* x; int64_t x_stride, tokens; const float* weights; int64_t topk;
+    float* out; int64_t out_stride; bool accumulate;
+};
+
+// out[m * DOT_GROUP + (r - n0)] = x[m] · row r of matrix e, for m < R, r in [n0, n1)
+// (n1 - n0 <= DOT_GROUP): the direct driver's tiles on row pointers.
+template <class Q, int R>
+void group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+                const float* const (&x)[R], float* out) {
+    constexpr int NR = dot_tile_rows(R);
+    const auto* base = static_cast<const uint8_t*>(w.w) + e * w.expert_stride;
+    for (int64_t r0 = n0; r0 < n1; r0 += NR) {
+        const BlockRows<Q> src{base + r0 * w.row_stride, w.row_stride,
+                               PREFETCH_ROWS * w.row_stride};
+        float tile[R * NR];
+        dot_tile<Q, R, NR>(src, static_cast<int>(std::min<int64_t>(NR, n1 - r0)), x,
+                           k / Q::kElems, tile);
+        for (int m = 0; m < R; ++m)
+            for (int64_t r = r0; r < std::min(n1, r0 + NR); ++r)
+                out[m * DOT_GROUP + r - n0] = tile[m * NR + r - r0];
+    }
+}
+
+// group_dots for a runtime row count (rows <= DOT_ROWS) and weight type.
+void dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+          const float* const* x, int rows, float* out) {
+    with_rows<DOT_ROWS>(rows, [&]<int R>() {
+        const float* xr[R];
+        for (int m = 0; m < R; ++m) xr[m] = x[m];
+        with_weight_type(static_cast<int>(w.qtype), [&]<class Q>() {
+            group_dots<Q, R>(w, e, n0, n1, k, xr, out);
+        });
+    });
+}
+
+// act[p] = silu(g * gate scale) * (u * up scale) for one row's columns [n0, n0 + n).
+void activate(const MoeLayer& l, int64_t e, int64_t n0, int64_t n, const float* g,
+              const float* u, float* act) {
+    const float* gs = l.gate.scale ? l.gate.scale + e * l.gate.scale_stride + n0 : nullptr;
+    const float* us = l.up.scale ? l.up.scale + e * l.up.scale_stride + n0 : nullptr;
+    for (int64_t i = 0; i < n; ++i)
+        act[n0 + i] = gs ? silu(g[i] * gs[i]) * (u[i] * us[i]) : silu(g[i]) * u[i];
+}
+
+// The experts of at most DOT_ROWS rows ("small", decode), all in one worksharing loop over
+// units (expert, DOT_GROUP intermediate columns): gate and up rows dotted with the rows' x
+// in place (no gather), then activated. Threads take an expert's units at a time as they
+// come free (the experts' row counts differ, and a thread the OS takes away for a while
+// leaves its share to the others).
+void small_gate_up(const Call& c) {
+    const MoeLayer& l = c.l;
+    const std::vector<int32_t>& small = c.plan.small;
+    const int64_t groups = (l.inter + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp for schedule(dynamic, groups) nowait
+    for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
+        const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
+        const int64_t n1 = std::min(l.inter, n0 + DOT_GROUP), p0 = c.plan.start[e];
+        const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
+        const float* x[DOT_ROWS];
+        for (int m = 0; m < rows; ++m) x[m] = c.x + c.plan.token[p0 + m] * c.x_stride;
+        float g[DOT_ROWS * DOT_GROUP], v[DOT_ROWS * DOT_GROUP];
+        dots(l.gate, e, n0, n1, l.hidden, x, rows, g);
+        dots(l.up, e, n0, n1, l.hidden, x, rows, v);
+        for (int m = 0; m < rows; ++m)
+            activate(l, e, n0, n1 - n0, g + m * DOT_GROUP, v + m * DOT_GROUP,
+                     c.s.act + (p0 + m) * l.inter);
+    }
+}
+
+// The large experts (prefill): rows gathered, gate/up as one grouped product, activated.
+void large_gate_up(const Call& c) {
+    const MoeLayer& l = c.l;
+    const std::vector<int64_t>& rows = c.plan.large_rows;
+    if (rows.empty()) return;
+#pragma omp for schedule(static)
+    for (size_t i = 0; i < rows.size(); ++i)
+        std::memcpy(c.s.xs + rows[i] * l.hidden, c.x + c.plan.token[rows[i]] * c.x_stride,
+                    l.hidden * sizeof(float));
+    grouped_products(c.plan.gate_up, c.plan.gate_up_packs, c.plan.gate_up_units);
+#pragma omp for schedule(static)
+    for (size_t i = 0; i < rows.size(); ++i) {
+        const float* g = c.s.gu + rows[i] * 2 * l.inter;
+        activate(l, c.plan.expert[rows[i]], 0, l.inter, g, g + l.inter,
+                 c.s.act + rows[i] * l.inter);
+    }
+}
+
+// ys = act · downᵀ per expert: the small experts in one loop over (expert, DOT_GROUP hidden
+// rows) units, the large ones as one grouped product.
+void down(const Call& c) {
+    const MoeLayer& l = c.l;
+    const std::vector<int32_t>& small = c.plan.small;
+    const int64_t groups = (l.hidden + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp for schedule(dynamic, groups) nowait
+    for (int64_t u = 0; u < static_cast<int64_t>(small.size()) * groups; ++u) {
+        const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
+        const int64_t n1 = std::min(l.hidden, n0 + DOT_GROUP), p0 = c.plan.start[e];
+        const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
+        const float* x[DOT_ROWS];
+        for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * l.inter;
+        float y[DOT_ROWS * DOT_GROUP];
+        dots(l.down, e, n0, n1, l.inter, x, rows, y);
+        for (int m = 0; m < rows; ++m)
+            std::memcpy(c.s.ys + (p0 + m) * l.hidden + n0, y + m * DOT_GROUP,
+                        (n1 - n0) * sizeof(float));
+    }
+    if (!c.plan.large.empty())
+        grouped_products(c.plan.down, c.plan.down_packs, c.plan.down_units);
+}
+
+void combine(const Call& c) {
+    const MoeLayer& l = c.l;
+    const int64_t h = l.hidden;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < c.tokens; ++t) {
+        float* o = c.out + t * c.out_stride;
+        for (int64_t j = 0; j < c.topk; ++j) {
+            const int64_t p = c.plan.slot[t * c.topk + j];
+            const float w = c.weights[t * c.topk + j];
+            const float* y = c.s.ys + p * h;
+            const float* ds = l.down.scale ? l.down.scale + c.plan.expert[p] * l.down.scale_stride
+                                           : nullptr;
+            const bool first = j == 0 && !c.accumulate;
+            for (int64_t i = 0; i < h; ++i) {
+                const float v = w * (ds ? y[i] * ds[i] : y[i]);
+                o[i] = first ? v : o[i] + v;
+            }
+        }
+    }
+}
+
+// Every step by every thread of the region (or by one thread outside any). The small
+// experts' loops end without a barrier, the large experts' products and the barriers below
+// order the rest: a decode step passes three barriers.
+void moe_team(const Call& c) {
+    small_gate_up(c);
+    large_gate_up(c);
+#pragma omp barrier
+    down(c);
+#pragma omp barrier
+    combine(c);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Status: 0; 1 for bad sizes or an expert id outside [0, E); 2 for a weight type without a
+// kernel here.
+__attribute__((visibility("default")))
+int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64_t tokens,
+                      const int32_t* ids, const float* weights, int64_t topk, float* out,
+                      int64_t out_stride, int accumulate, int num_threads) {
+    if (tokens < 0 || topk <= 0 || num_threads < 1 || l->num_experts <= 0) return 1;
+    for (const auto& [w, k] : {std::pair{l->gate, l->hidden}, std::pair{l->up, l->hidden},
+                               std::pair{l->down, l->inter}}) {
+        if (const int status = check_weights(w, k)) return status;
+    }
+    if (tokens == 0) return 0;
+    thread_local Plan plan;
+    const int64_t rows = tokens * topk;
+    if (group_by_expert(ids, rows, topk, l->num_experts, plan)) return 1;
+    thread_local std::vector<float> buffer;
+    const int64_t h = l->hidden, inter = l->inter;
+    buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter)));
+    const Scratch s{buffer.data(), buffer.data() + rows * h, buffer.data() + rows * (h + 2 * inter),
+                    buffer.data() + rows * (h + 3 * inter)};
+    thread_local std::vector<float> xt;
+    plan_large(*l, s, plan, xt);
+    const Call c{*l, plan, s, x, x_stride, tokens, weights, topk, out, out_stride,
+                 accumulate != 0};
+    const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    moe_team(c);
+    return 0;
+}
+
+}  // extern "C"
