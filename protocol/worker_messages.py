@@ -54,6 +54,7 @@ class WorkerReady(WireStruct, tag=41):
     vocab_size: int = 0
     dtype: str = ""  # the compute dtype (float32 where a half dtype has no native CPU support)
     quantization: str = ""  # the weights' method as run (gguf, int8, none) and what it kept
+    host: str = ""  # a CPU rank's threads and why, its OpenMP waits, AMX (for the ready line)
 
 
 class WorkerError(WireStruct, tag=42):

@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(worker)
     _replay_parser(sub)
     _journal_parser(sub)
-    from launch.cli import model_commands
+    from launch.cli import kernels, model_commands
     model_commands.add_parsers(sub)
+    kernels.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         from worker.worker_proc import run_worker
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return journal(args)
         if args.command in ("download", "convert"):
             return model_commands.run(args)
+        if args.command == "kernels":
+            return kernels.run(args)
         if args.command == "serve":
             from launch.cli.serve import serve
             return serve(args)
