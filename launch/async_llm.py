@@ -71,7 +71,8 @@ class AsyncLLM:
         refuse (the checks and messages of `LLM.generate`). A rendered chat prompt already
         holds its special tokens: `add_special_tokens=False`."""
         text, ids = self.inputs.tokenize(prompt, add_special_tokens)
-        return ProcessedInput(text, ids, self.inputs.resolve(ids, params or SamplingParams()))
+        return ProcessedInput(text, ids, self.inputs.resolve(
+            ids, params or SamplingParams(**self.inputs.sampling_defaults)))
 
     def add_request(self, request_id: str, inputs: ProcessedInput, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

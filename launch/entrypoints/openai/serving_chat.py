@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         def prepare() -> list[ProcessedInput]:  # on the input thread: grammar checks, template
             answer_constraint = after_reasoning(constraint, self.parsers.reasoning)
             params = sampling_params(
-                body, {"max_tokens": max_tokens},
+                body, {"max_tokens": max_tokens}, model_defaults=self.sampling_defaults,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 structured_outputs=answer_constraint and answer_constraint.params)
             return [self.process(self.render(body.messages, body.add_generation_prompt,

@@ -1,0 +1,159 @@
+"""A CPU worker's team size, step by step: tried and kept by what the steps measure.
+
+Why not a fixed team with a wait policy: on a quiet host a team of threads spinning at its
+barriers (libgomp's default) is fastest, and a decode step crosses ~270 of them; sleeping at
+each (OMP_WAIT_POLICY=passive) costs a wake-up per barrier, ~40 us on a VM whose idle vCPU
+halts (SmolLM2 one stream: 0.4x the quiet speed). Beside a CPU-bound neighbour the spinning
+team collapses instead (0.2x): one teammate is descheduled, the other spins its slice away
+at the next barrier. A team of one has no barriers, so with a neighbour on one of two cores
+it runs on the other at its full one-thread speed (benchmarks/bench_contention.py). Which
+size wins depends on what the neighbours do (a bursty one may leave a spinning pair
+faster), so the steps decide:
+
+  * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
+    this process's CPUs (/proc/stat less /proc/self/stat): `team_size(CPUs - that)` is the
+    size worth trying, and when it differs from the current one a trial starts;
+  * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
+    a thread, is not counted) and compares their median time with the steps just before it
+    (steps of the same shape only: the same number of token rows); the faster size stays;
+  * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
+    unless the load rises by `RISE` CPUs over what it was then (a neighbour arrived); below
+    the planned size, the planned size is tried again at least every `max_backoff_s` (a
+    neighbour may have left, or turned bursty).
+On a quiet host nothing is tried and nothing is spent.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+Sample = tuple[float, float, float]  # (wall s, busy CPU s on our CPUs, this process's CPU s)
+
+
+def read_sample(cpus: frozenset[int]) -> Sample:
+    """Now: monotonic seconds, CPU seconds spent busy on `cpus` since boot (all processes),
+    CPU seconds this process has used."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or name == "cpu":
+                continue
+            if int(name[3:]) in cpus:
+                ticks = [int(v) for v in rest.split()]
+                busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # all but idle and iowait
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    own = int(fields[11]) + int(fields[12])  # utime, stime
+    return time.monotonic(), busy / CLOCK_TICK, own / CLOCK_TICK
+
+
+RISE = 0.4  # CPUs of other processes' load that end a losing trial's backoff
+
+
+def team_size(free_cores: float, max_threads: int) -> int:
+    return max(1, min(max_threads, round(free_cores)))
+
+
+@dataclass
+class LoadMeter:
+    """CPUs other processes used on `cpus` over the last window of `interval_s`."""
+
+    cpus: frozenset[int]
+    interval_s: float = 0.25
+    sample: Callable[[frozenset[int]], Sample] = read_sample
+    others: float = 0.0
+    _last: Sample | None = None
+
+    def update(self, now: float) -> bool:
+        """Read a new window if one has passed; True when `others` is fresh. A window much
+        longer than `interval_s` (the worker idled) only starts the next one: it would
+        average what happened while nothing of ours ran."""
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return False
+        sample = self.sample(self.cpus)
+        last, self._last = self._last, sample
+        if last is None or not 0 < sample[0] - last[0] <= 4 * self.interval_s:
+            return False
+        used = (sample[1] - last[1]) - (sample[2] - last[2])
+        self.others = max(0.0, used) / (sample[0] - last[0])
+        return True
+
+
+@dataclass
+class TeamSizer:
+    max_threads: int
+    load: LoadMeter
+    trial_steps: int = 6
+    backoff_s: float = 2.0
+    max_backoff_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    current: int = 0  # the team size in use (max_threads to start)
+    trial: int | None = None  # the size on trial, if any
+    _recent: deque = field(default_factory=lambda: deque(maxlen=8))  # (rows, seconds)
+    _trial_times: list = field(default_factory=list)
+    _reference: list = field(default_factory=list)
+    _next_trial: float = 0.0
+    _lost_at_load: float = float("inf")  # others when the last trial lost
+    _backoff: float = 0.0
+    _last_full_trial: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.max_threads
+        self._backoff = self.backoff_s
+        self._last_full_trial = self.clock()
+
+    @property
+    def size(self) -> int:
+        return self.trial or self.current
+
+    def before_step(self) -> int | None:
+        """The team size to use from this step on when it changes, else None."""
+        now = self.clock()
+        if self.trial is not None or not self.load.update(now):
+            return None
+        if now < self._next_trial and self.load.others < self._lost_at_load + RISE:
+            return None
+        wanted = team_size(len(self.load.cpus) - self.load.others, self.max_threads)
+        if wanted == self.current and self.current < self.max_threads \
+                and now - self._last_full_trial >= self.max_backoff_s:
+            wanted = self.max_threads
+        if wanted == self.current or len(self._recent) < self.trial_steps:
+            return None
+        if wanted == self.max_threads:
+            self._last_full_trial = now
+        self.trial, self._trial_times = wanted, []
+        self._reference = list(self._recent)
+        return wanted
+
+    def after_step(self, rows: int, seconds: float) -> int | None:
+        """Record a step's time; the team size to go back to when a trial ends lost."""
+        if self.trial is None:
+            self._recent.append((rows, seconds))
+            return None
+        self._trial_times.append((rows, seconds))
+        if len(self._trial_times) <= self.trial_steps:
+            return None
+        return self._judge()
+
+    def _judge(self) -> int | None:
+        trial = [s for r, s in self._trial_times[1:] if r == self._trial_times[1][0]]
+        reference = [s for r, s in self._reference if r == self._trial_times[1][0]]
+        size, self.trial = self.trial, None
+        now = self.clock()
+        if len(trial) < self.trial_steps // 2 or len(reference) < self.trial_steps // 2:
+            self._next_trial = now + self.backoff_s  # other shapes: no verdict, try later
+            return self.current
+        if statistics.median(trial) < 0.95 * statistics.median(reference):
+            self.current, self._backoff, self._lost_at_load = size, self.backoff_s, float("inf")
+            self._recent.clear()
+            self._recent.extend(self._trial_times[1:])
+            return None
+        self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
+        self._backoff = min(2 * self._backoff, self.max_backoff_s)
+        return self.current
