@@ -100,6 +100,7 @@ class TeamSizer:
     _reference: list = field(default_factory=list)
     _next_trial: float = 0.0
     _lost_at_load: float = float("inf")  # others when the last trial lost
+    _steps_load: float = 0.0  # others when the steps in _recent began
     _backoff: float = 0.0
     _last_full_trial: float = 0.0
 
@@ -117,6 +118,10 @@ class TeamSizer:
         now = self.clock()
         if self.trial is not None or not self.load.update(now):
             return None
+        if abs(self.load.others - self._steps_load) >= RISE:  # the steps so far ran in
+            self._recent.clear()  # other conditions: not a reference for a trial
+        if not self._recent:
+            self._steps_load = self.load.others
         if now < self._next_trial and self.load.others < self._lost_at_load + RISE:
             return None
         wanted = team_size(len(self.load.cpus) - self.load.others, self.max_threads)
@@ -153,6 +158,7 @@ class TeamSizer:
             self.current, self._backoff, self._lost_at_load = size, self.backoff_s, float("inf")
             self._recent.clear()
             self._recent.extend(self._trial_times[1:])
+            self._steps_load = self.load.others
             return None
         self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
         self._backoff = min(2 * self._backoff, self.max_backoff_s)
