@@ -15,11 +15,13 @@ faster), so the steps decide:
     size worth trying, and when it differs from the current one a trial starts;
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
     a thread, is not counted) and compares their median time with the steps just before it
-    (steps of the same shape only: the same number of token rows); the faster size stays;
+    (steps of the same shape only: the same number of token rows). A smaller team must be
+    15 % faster to stay, a larger one no slower; a trial step twice as slow as the
+    reference ends the trial at once;
   * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
     unless the load rises by `RISE` CPUs over what it was then (a neighbour arrived); below
-    the planned size, the planned size is tried again at least every `max_backoff_s` (a
-    neighbour may have left, or turned bursty).
+    the planned size, the planned size is tried again after `regrow_s` (doubling up to
+    `max_backoff_s` while it loses): a neighbour may have left, or turned bursty.
 On a quiet host nothing is tried and nothing is spent.
 """
 from __future__ import annotations
@@ -89,9 +91,10 @@ class LoadMeter:
 class TeamSizer:
     max_threads: int
     load: LoadMeter
-    trial_steps: int = 6
+    trial_steps: int = 8
     backoff_s: float = 2.0
     max_backoff_s: float = 30.0
+    regrow_s: float = 5.0  # below max_threads: the first try of max_threads after this
     clock: Callable[[], float] = time.monotonic
     current: int = 0  # the team size in use (max_threads to start)
     trial: int | None = None  # the size on trial, if any
@@ -102,19 +105,19 @@ class TeamSizer:
     _lost_at_load: float = float("inf")  # others when the last trial lost
     _steps_load: float = 0.0  # others when the steps in _recent began
     _backoff: float = 0.0
-    _last_full_trial: float = 0.0
+    _regrow_at: float = float("inf")  # when max_threads is tried again (if below it)
+    _regrow_backoff: float = 0.0
 
     def __post_init__(self) -> None:
         self.current = self.current or self.max_threads
-        self._backoff = self.backoff_s
-        self._last_full_trial = self.clock()
+        self._backoff, self._regrow_backoff = self.backoff_s, self.regrow_s
 
     @property
     def size(self) -> int:
         return self.trial or self.current
 
     def before_step(self) -> int | None:
-        """The team size to use from this step on when it changes, else None."""
+        """The team size to use from this step on when it changes (a trial), else None."""
         now = self.clock()
         if self.trial is not None or not self.load.update(now):
             return None
@@ -122,18 +125,14 @@ class TeamSizer:
             self._recent.clear()  # other conditions: not a reference for a trial
         if not self._recent:
             self._steps_load = self.load.others
-        if now < self._next_trial and self.load.others < self._lost_at_load + RISE:
-            return None
         wanted = team_size(len(self.load.cpus) - self.load.others, self.max_threads)
-        if wanted == self.current and self.current < self.max_threads \
-                and now - self._last_full_trial >= self.max_backoff_s:
+        if wanted == self.current and self.current < self.max_threads and now >= self._regrow_at:
             wanted = self.max_threads
+        elif now < self._next_trial and self.load.others < self._lost_at_load + RISE:
+            return None
         if wanted == self.current or len(self._recent) < self.trial_steps:
             return None
-        if wanted == self.max_threads:
-            self._last_full_trial = now
-        self.trial, self._trial_times = wanted, []
-        self._reference = list(self._recent)
+        self.trial, self._trial_times, self._reference = wanted, [], list(self._recent)
         return wanted
 
     def after_step(self, rows: int, seconds: float) -> int | None:
@@ -142,24 +141,43 @@ class TeamSizer:
             self._recent.append((rows, seconds))
             return None
         self._trial_times.append((rows, seconds))
-        if len(self._trial_times) <= self.trial_steps:
+        counted = self._trial_times[1:]  # the first step woke or parked a thread
+        reference = [t for r, t in self._reference if counted and r == counted[0][0]]
+        if counted and reference and counted[-1][1] > 2 * statistics.median(reference):
+            return self._lose()  # clearly worse (a collapsing team): no need to see more
+        if len(counted) < self.trial_steps:
             return None
-        return self._judge()
-
-    def _judge(self) -> int | None:
-        trial = [s for r, s in self._trial_times[1:] if r == self._trial_times[1][0]]
-        reference = [s for r, s in self._reference if r == self._trial_times[1][0]]
-        size, self.trial = self.trial, None
-        now = self.clock()
+        trial = [t for r, t in counted if r == counted[0][0]]
         if len(trial) < self.trial_steps // 2 or len(reference) < self.trial_steps // 2:
-            self._next_trial = now + self.backoff_s  # other shapes: no verdict, try later
-            return self.current
-        if statistics.median(trial) < 0.95 * statistics.median(reference):
-            self.current, self._backoff, self._lost_at_load = size, self.backoff_s, float("inf")
-            self._recent.clear()
-            self._recent.extend(self._trial_times[1:])
-            self._steps_load = self.load.others
-            return None
-        self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
-        self._backoff = min(2 * self._backoff, self.max_backoff_s)
+            self.trial, self._next_trial = None, self.clock() + self.backoff_s
+            return self.current  # steps of other shapes: no verdict, try later
+        # Shrinking must win clearly (a bursty neighbour makes single trials noisy; a
+        # CPU-bound one halves the step time); growing back needs only to be no slower.
+        margin = 0.85 if self.trial < self.current else 1.0
+        if statistics.median(trial) < margin * statistics.median(reference):
+            return self._win(counted)
+        return self._lose()
+
+    def _win(self, counted: list) -> None:
+        grew = self.trial > self.current
+        self.current, self.trial = self.trial, None
+        self._recent.clear()
+        self._recent.extend(counted)
+        self._steps_load, self._lost_at_load = self.load.others, float("inf")
+        self._backoff = self.backoff_s
+        if not grew:
+            self._regrow_backoff = self.regrow_s
+        self._regrow_at = (self.clock() + self._regrow_backoff
+                           if self.current < self.max_threads else float("inf"))
+        return None
+
+    def _lose(self) -> int:
+        now = self.clock()
+        if self.trial == self.max_threads and self.current < self.max_threads:
+            self._regrow_backoff = min(2 * self._regrow_backoff, self.max_backoff_s)
+            self._regrow_at = now + self._regrow_backoff
+        else:
+            self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
+            self._backoff = min(2 * self._backoff, self.max_backoff_s)
+        self.trial = None
         return self.current
