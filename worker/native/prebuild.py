@@ -38,11 +38,13 @@ class BuildReport:
     seconds: float = 0.0
 
     def summary(self) -> str:
+        reasons: dict[str, list[str]] = {}
+        for tag, why in self.failed.items():
+            reasons.setdefault(why, []).append(tag)
         parts = [f"compiled {', '.join(f'{t} ({s:.1f} s)' for t, s in self.compiled.items())}"
                  f" in {self.seconds:.1f} s" if self.compiled else "",
                  f"{len(self.cached)} cached" if self.cached else "",
-                 f"failed: {'; '.join(f'{t}: {why}' for t, why in self.failed.items())}"
-                 if self.failed else ""]
+                 *(f"failed: {', '.join(tags)}: {why}" for why, tags in reasons.items())]
         return f"native kernels: {'; '.join(p for p in parts if p)} ({cache_dir()})"
 
 
