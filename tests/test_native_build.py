@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,11 @@ TARGETS = ("from worker.native.prebuild import declared_libraries\n"
            "for lib in declared_libraries():\n"
            "    print(lib.tag, library.build.library_target(*lib._build_args('native'), "
            "library.cache_dir(), lib.tag).name, lib.is_built())\n")
+
+
+def _library(tag: str) -> NativeLibrary:
+    """A declared library (declared_libraries imports every declaring module)."""
+    return {lib.tag: lib for lib in prebuild.declared_libraries()}[tag]
 
 
 def _targets(cwd: Path) -> dict[str, tuple[str, str]]:
@@ -53,7 +59,7 @@ def test_a_second_checkout_compiles_nothing(tmp_path):
 
 
 def test_keys_follow_the_flags_and_the_checkout_path_does_not(monkeypatch):
-    lib = LIBRARIES["cpu-ops"]
+    lib = _library("cpu-ops")
     text, inputs, flags = lib._build_args("native")
     cxx = build.compiler()
     key = build.fingerprint(text, inputs, flags, cxx)
@@ -126,7 +132,23 @@ def test_a_rejected_source_is_reported_once_and_not_recompiled(tmp_path, monkeyp
         library._FAILURES.pop(("broken-test", "native"), None)
 
 
+def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
+    """Two threads (as two tensor-parallel ranks) building the same library into an empty
+    cache: one compiles under the lock, the other waits and loads the same file."""
+    monkeypatch.setenv("DELTASERVE_KERNEL_CACHE", str(tmp_path))
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(_library("cpu-threads").path()))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and paths[0].exists()
+    assert [p.name for p in tmp_path.glob("*.so")] == [paths[0].name]
+
+
 def test_a_declaration_is_one_per_tag():
+    _library("cpu-ops")
     with pytest.raises(ValueError, match="declared twice"):
         NativeLibrary("cpu-ops", "cpu_ops.cpp", ("-DOTHER",))
 
@@ -169,7 +191,7 @@ def test_our_kernels_hold_no_tile_instruction_on_an_amx_target(tmp_path, monkeyp
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump")
-    path = LIBRARIES["cpu-ops"].path()
+    path = _library("cpu-ops").path()
     code = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(path)],
                           capture_output=True, text=True, check=True).stdout
     assert "zmm" in code
