@@ -15,7 +15,7 @@ faster), so the steps decide:
     size worth trying, and when it differs from the current one a trial starts;
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
     a thread, is not counted) and compares their median time with the steps just before it
-    (steps of the same shape only: the same number of token rows). A smaller team must be
+    (up to 32, of the same shape only: the same number of token rows). A smaller team must be
     15 % faster to stay, a larger one no slower; a trial step twice as slow as the
     reference ends the trial at once;
   * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
@@ -98,7 +98,9 @@ class TeamSizer:
     clock: Callable[[], float] = time.monotonic
     current: int = 0  # the team size in use (max_threads to start)
     trial: int | None = None  # the size on trial, if any
-    _recent: deque = field(default_factory=lambda: deque(maxlen=8))  # (rows, seconds)
+    # (rows, seconds) of the latest steps at the current size: a trial's reference, long
+    # enough that a neighbour's short burst does not make the current size look slow
+    _recent: deque = field(default_factory=lambda: deque(maxlen=32))
     _trial_times: list = field(default_factory=list)
     _reference: list = field(default_factory=list)
     _next_trial: float = 0.0
