@@ -13,7 +13,13 @@ import pytest
 from protocol import EngineConfig
 from worker.host import amx
 from worker.host.setup import ranks_on_this_host
-from worker.host.team_size import LoadMeter, TeamSizer, read_sample, team_size
+from worker.host.team_size import (
+    LoadMeter,
+    TeamSizer,
+    engine_pids,
+    read_sample,
+    team_size,
+)
 from worker.host.threads import (
     BIND_ENV,
     cgroup_cpu_quota,
@@ -189,7 +195,8 @@ def test_steps_of_another_shape_give_no_verdict():
 
 def test_the_load_meter_counts_other_processes():
     samples = iter([(0.0, 0.0, 0.0), (0.5, 0.9, 0.4)])  # 0.9 CPU s busy, 0.4 of them ours
-    meter = LoadMeter(frozenset({0, 1}), interval_s=0.25, sample=lambda cpus: next(samples))
+    meter = LoadMeter(frozenset({0, 1}), interval_s=0.25,
+                      sample=lambda cpus, ours: next(samples))
     assert meter.update(0.0) is False  # the first sample
     assert meter.update(0.1) is False  # within the window: nothing read
     assert meter.update(0.5) is True and meter.others == pytest.approx(1.0)
@@ -199,8 +206,9 @@ def test_samples_of_this_host_are_consistent():
     cpus = frozenset(os.sched_getaffinity(0))
     t0, busy0, own0 = read_sample(cpus)
     sum(i * i for i in range(300_000))
-    t1, busy1, own1 = read_sample(cpus)
+    t1, busy1, own1 = read_sample(cpus, engine_pids())
     assert t1 > t0 and busy1 >= busy0 and own1 >= own0
+    assert os.getppid() in engine_pids() and 1 not in engine_pids()
 
 
 def test_amx_is_used_only_where_granted():

@@ -12,7 +12,7 @@ import torch
 from common.log_limiter import LogLimiter
 from protocol import EngineConfig
 from worker.host import amx, openmp
-from worker.host.team_size import LoadMeter, TeamSizer
+from worker.host.team_size import LoadMeter, TeamSizer, engine_pids
 from worker.host.threads import ThreadPlan, plan_threads
 
 logger = logging.getLogger("deltaserve")
@@ -68,7 +68,8 @@ def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
         bind_threads(plan.bind)
     sizer = None
     if plan.adaptive and plan.num_threads > 1 and os.environ.get(ADAPTIVE_ENV, "1") != "0":
-        sizer = TeamSizer(plan.num_threads, LoadMeter(frozenset(os.sched_getaffinity(0))))
+        sizer = TeamSizer(plan.num_threads, LoadMeter(frozenset(os.sched_getaffinity(0)),
+                                                      ours=engine_pids()))
     adapts = ", fewer while other processes use the CPUs" if sizer else ""
     return HostSetup(f"{plan.describe()}{adapts}; {openmp.describe()}; "
                      f"{amx.describe(amx.this_process())}", sizer,

@@ -11,7 +11,8 @@ size wins depends on what the neighbours do (a bursty one may leave a spinning p
 faster), so the steps decide:
 
   * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
-    this process's CPUs (/proc/stat less /proc/self/stat): `team_size(CPUs - that)` is the
+    this process's CPUs (/proc/stat less this worker, its engine core and its front-end,
+    whose detokenizing is the same engine's work): `team_size(CPUs - that)` is the
     size worth trying, and when it differs from the current one a trial starts;
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
     a thread, is not counted) and compares their median time with the steps just before it
@@ -37,9 +38,35 @@ CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 Sample = tuple[float, float, float]  # (wall s, busy CPU s on our CPUs, this process's CPU s)
 
 
-def read_sample(cpus: frozenset[int]) -> Sample:
+def _cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user + system) process `pid` has used; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def engine_pids() -> tuple[int, ...]:
+    """This worker's engine: its parent (the engine core) and grandparent (the front-end),
+    whose CPU is the same engine's pipeline, not a neighbour's (init excluded)."""
+    pids, pid = [], os.getpid()
+    for _ in range(2):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+        pids.append(pid)
+    return tuple(pids)
+
+
+def read_sample(cpus: frozenset[int], ours: tuple[int, ...] = ()) -> Sample:
     """Now: monotonic seconds, CPU seconds spent busy on `cpus` since boot (all processes),
-    CPU seconds this process has used."""
+    CPU seconds this process and the processes `ours` have used."""
     busy = 0
     with open("/proc/stat") as f:
         for line in f:
@@ -49,10 +76,8 @@ def read_sample(cpus: frozenset[int]) -> Sample:
             if int(name[3:]) in cpus:
                 ticks = [int(v) for v in rest.split()]
                 busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # all but idle and iowait
-    with open("/proc/self/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    own = int(fields[11]) + int(fields[12])  # utime, stime
-    return time.monotonic(), busy / CLOCK_TICK, own / CLOCK_TICK
+    own = _cpu_seconds("self") + sum(_cpu_seconds(pid) for pid in ours)
+    return time.monotonic(), busy / CLOCK_TICK, own
 
 
 RISE = 0.4  # CPUs of other processes' load that end a losing trial's backoff
@@ -68,7 +93,8 @@ class LoadMeter:
 
     cpus: frozenset[int]
     interval_s: float = 0.25
-    sample: Callable[[frozenset[int]], Sample] = read_sample
+    ours: tuple[int, ...] = ()  # processes of this engine whose CPU is not "others"
+    sample: Callable[[frozenset[int], tuple[int, ...]], Sample] = read_sample
     others: float = 0.0
     _last: Sample | None = None
 
@@ -78,7 +104,7 @@ class LoadMeter:
         average what happened while nothing of ours ran."""
         if self._last is not None and now - self._last[0] < self.interval_s:
             return False
-        sample = self.sample(self.cpus)
+        sample = self.sample(self.cpus, self.ours)
         last, self._last = self._last, sample
         if last is None or not 0 < sample[0] - last[0] <= 4 * self.interval_s:
             return False
