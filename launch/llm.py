@@ -14,6 +14,7 @@ from tqdm import tqdm
 from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
 from launch.metrics.stats import IterationStats
+from launch.offline_chat import ChatOptions, attach_messages, constrained, plan_conversation
 from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.input_processor import PromptType, per_prompt
@@ -85,14 +86,39 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, tools: list[dict[str, Any]] | None = None,
+             tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+             response_format: dict[str, Any] | None = None,
+             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+             chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """`generate` on conversations ([{"role": ..., "content": ...}, ...], or a list of
-        them) rendered with the model's chat template and its generation prompt."""
+        them) in any shape the chat route accepts, rendered with the model's chat template
+        (or `chat_template`, a template's text) and its generation prompt. `tools`,
+        `tool_choice`, `parallel_tool_calls` and `response_format` mean what they mean to
+        the chat route, and `tool_call_parser`/`reasoning_parser` what `serve`'s flags do;
+        each sequence's parsed answer (content, reasoning, tool_calls) is its `message`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = per_prompt(sampling_params, len(conversations))
+        if self.tokenizer is None:
+            raise ValueError(f"the model directory {self.config.model!r} has no tokenizer")
+        template = (ChatTemplate(chat_template) if chat_template is not None
+                    else self._model_chat_template())
+        options = ChatOptions(tools, tool_choice, parallel_tool_calls, response_format,
+                              tool_call_parser, reasoning_parser, add_generation_prompt)
+        plans = [plan_conversation(list(c), options, template, self.inputs.max_prompt_chars)
+                 for c in conversations]
+        prompts = [{"prompt": plan.prompt, "prompt_token_ids": self.tokenizer.encode(
+            plan.prompt, add_special_tokens=False)} for plan in plans]
+        outputs = self.generate(prompts, [constrained(p, plan) for p, plan in zip(params, plans)],
+                                use_tqdm=use_tqdm)
+        attach_messages(outputs, plans)
+        return outputs
+
+    def _model_chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
             self._chat_template = ChatTemplate.from_model_dir(self.config.model)
-        prompts = [self._chat_template.render(list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self._chat_template
 
     def shutdown(self) -> None:
         self._finalizer()

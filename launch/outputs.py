@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
@@ -32,6 +33,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # `LLM.chat` only: the answer as the chat route returns it (OpenAI's assistant message:
+    # content, reasoning, tool_calls), parsed by the same code
+    message: dict[str, Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

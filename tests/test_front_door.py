@@ -235,15 +235,22 @@ def test_child_seeds_do_not_overflow(server):
     assert not any('"error"' in line for line in lines)
 
 
-def test_a_template_that_fails_on_null_content_is_400(server, tmp_path):
+def test_null_content_renders_and_a_failing_template_is_400(server, tmp_path):
+    """Content null renders as "" (vLLM's normalization; issue 29); a template whose own code
+    fails is a 400 naming the message it fails on."""
     template = tmp_path / "concat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}\n"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+                        "{% if m.get('name') %}{{ m['content'] + 1 }}{% endif %}\n"
                         "{% endfor %}")
     srv = Server(SHIPPED_MODEL, "--chat-template", str(template), "--max-model-len", "256")
     try:
-        r = _post(srv, {"messages": [{"role": "user", "content": None}]},
+        r = _post(srv, {"messages": [{"role": "user", "content": None}], "max_tokens": 2},
                   "/v1/chat/completions")
-        _assert_error(r, param="messages")
+        assert r.status_code == 200, r.text
+        r = _post(srv, {"messages": [{"role": "user", "content": "hi"},
+                                     {"role": "user", "content": "x", "name": "n"}],
+                        "max_tokens": 2}, "/v1/chat/completions")
+        assert _assert_error(r, param="messages")["message"].startswith("messages[1]: ")
         r = _post(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                   "/v1/chat/completions")
         assert r.status_code == 200, r.text

@@ -1,9 +1,9 @@
 """Tool-call parsers (hermes, llama3_json) and reasoning parsers (qwen3, deepseek_r1) on model
-texts with 0, 1 and 2 calls, malformed calls and cut tags: the whole-text result, and the
-streamed deltas under many random cuts adding up to exactly that result."""
+texts with 0, 1 and 2 calls, malformed, cut and deeply nested calls and cut tags: the
+whole-text result, and the streamed parts under many random cuts adding up to exactly that
+result, in the same order; a call's arguments stream as written once its name is known."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -20,70 +20,115 @@ def _cuts(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
-def _streamed_tools(parser, pieces: list[str]) -> tuple[str, list[dict]]:
+def _streamed_tools(parser, pieces: list[str]) -> tuple[str, list[dict], list]:
+    """(content, calls, the order of parts: "content" or a call's index, each once)."""
     stream = parser.stream()
-    content, calls = "", []
+    content, calls, order = "", [], []
     for out in [*(stream.feed(p) for p in pieces), stream.finish()]:
-        content += out[0]
-        for delta in out[1]:
-            if delta.name is not None:
-                assert delta.index == len(calls) and delta.id.startswith("call_")
-                calls.append({"name": delta.name, "arguments": delta.arguments})
+        for part in out:
+            kind = "content" if isinstance(part, str) else part.index
+            if not order or order[-1] != kind:
+                order.append(kind)
+            if isinstance(part, str):
+                content += part
+            elif part.name is not None:
+                assert part.index == len(calls) and part.id.startswith("call_")
+                calls.append({"name": part.name, "arguments": part.arguments})
             else:
-                calls[delta.index]["arguments"] += delta.arguments
-    return content, calls
+                assert part.index == len(calls) - 1  # a call's pieces come together
+                calls[part.index]["arguments"] += part.arguments
+    return content, calls, order
 
 
-HERMES_CASES = [  # text, content, [(name, arguments)]
-    ("The weather in Paris is mild.", "The weather in Paris is mild.", []),
-    (f"<tool_call>\n{WEATHER}\n</tool_call>", None, [("get_weather", WEATHER)]),
+def _check_streams(parser, text: str, content, want: list, order: list | None = None) -> None:
+    result = parser.extract(text)
+    assert result.content == content
+    assert [(c.name, c.arguments) for c in result.tool_calls] == want
+    assert len({c.id for c in result.tool_calls}) == len(want)
+    orders = set()
+    rng = random.Random(len(text))
+    for _ in range(60):
+        got_content, got_calls, got_order = _streamed_tools(parser, _cuts(text, rng))
+        assert got_content == (content or "")
+        assert [(c["name"], c["arguments"]) for c in got_calls] == want
+        orders.add(tuple(got_order))
+    assert len(orders) == 1  # the order of content and calls does not depend on the cut
+    if order is not None:
+        assert list(orders.pop()) == order
+
+
+DEEP = "[" * 20_000 + "]" * 20_000  # far past the recursion limit
+HERMES_CASES = [  # text, content, [(name, arguments as written)], order of parts
+    ("The weather in Paris is mild.", "The weather in Paris is mild.", [], ["content"]),
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", None,
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}')], [0]),
     (f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{TIME}</tool_call>\n",
-     "Let me check.", [("get_weather", WEATHER), ("get_time", TIME)]),
-    (f"<tool_call>{WEATHER}", None, [("get_weather", WEATHER)]),  # stopped before closing
-    ('<tool_call>{"name": "f", "arguments": {"x": </tool_call> sorry',
-     '<tool_call>{"name": "f", "arguments": {"x": </tool_call> sorry', []),
+     "Let me check.", [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                       ("get_time", '{"zone": "CET"}')], ["content", 0, 1]),
+    (f"<tool_call>{WEATHER}", None,  # stopped before closing
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}')], [0]),
+    # the name is known, so it is a call; cut arguments stay as written (OpenAI's shape)
+    ('<tool_call>{"name": "f", "arguments": {"x": </tool_call> sorry', "sorry",
+     [("f", '{"x": ')], [0, "content"]),
     (f"a <tool_call>not json</tool_call> b <tool_call>{TIME}</tool_call> c",
-     "a <tool_call>not json</tool_call> bc", [("get_time", TIME)]),
-    ("ends with a partial tag <tool_c", "ends with a partial tag <tool_c", []),
+     "a <tool_call>not json</tool_call> bc", [("get_time", '{"zone": "CET"}')],
+     ["content", 0, "content"]),
+    ("ends with a partial tag <tool_c", "ends with a partial tag <tool_c", [], ["content"]),
+    # other forms are held until the block ends, then parsed whole
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', None, [("f", '{"a": 1}')],
+     [0]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": [1]}"}</tool_call>', None,
+     [("f", '{"a": [1]}')], [0]),
+    ('x<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     'x<tool_call>{"name": "f", "arguments": [1]}</tool_call>', [], ["content"]),
+    # nesting far past Python's recursion limit: as written, or content; never an error
+    (f'<tool_call>{{"name": "f", "arguments": {{"a": {DEEP}}}}}</tool_call>', None,
+     [("f", f'{{"a": {DEEP}}}')], [0]),
+    (f'<tool_call>{{"arguments": {{"a": {DEEP}}}, "name": "f"}}</tool_call>',
+     f'<tool_call>{{"arguments": {{"a": {DEEP}}}, "name": "f"}}</tool_call>', [],
+     ["content"]),
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
-def test_hermes(text, content, calls):
-    parser = get_tool_parser("hermes")
-    result = parser.extract(text)
-    assert result.content == content
-    want = [(name, json.dumps(json.loads(args)["arguments"])) for name, args in calls]
-    assert [(c.name, c.arguments) for c in result.tool_calls] == want
-    assert len({c.id for c in result.tool_calls}) == len(calls)
-    rng = random.Random(len(text))
-    for _ in range(50):
-        streamed_content, streamed_calls = _streamed_tools(parser, _cuts(text, rng))
-        assert streamed_content == (content or "")
-        assert [(c["name"], c["arguments"]) for c in streamed_calls] == want
+@pytest.mark.parametrize("text,content,calls,order", HERMES_CASES,
+                         ids=[str(i) for i in range(len(HERMES_CASES))])
+def test_hermes(text, content, calls, order):
+    _check_streams(get_tool_parser("hermes"), text, content, calls, order)
 
 
 LLAMA_CASES = [
-    ('{"name": "get_time", "parameters": {"zone": "CET"}}', None, [("get_time", {"zone": "CET"})]),
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}', None,
+     [("get_time", '{"zone": "CET"}')]),
     ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
-     None, [("a", {"x": 1}), ("b", {})]),
+     None, [("a", '{"x": 1}'), ("b", "{}")]),
     ("Hello {there}", "Hello {there}", []),
-    ('{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', []),
+    ('{"name": "a", "parameters": {"x": ', None, [("a", '{"x": ')]),  # cut: as written
     ("  plain answer", "  plain answer", []),
+    ('  {"answer": 42} tail', '  {"answer": 42} tail', []),  # JSON content, not a call
+    ('{"name": "a", "parameters": {}} and more', " and more", [("a", "{}")]),
+    ('{"parameters": {"x": 1}, "name": "a"}', None, [("a", '{"x": 1}')]),
+    ("<|python_t", "<|python_t", []),
+    (f'{{"name": "a", "parameters": {{"d": {DEEP}}}}}', None, [("a", f'{{"d": {DEEP}}}')]),
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
+@pytest.mark.parametrize("text,content,calls", LLAMA_CASES,
+                         ids=[str(i) for i in range(len(LLAMA_CASES))])
 def test_llama3_json(text, content, calls):
-    parser = get_tool_parser("llama3_json")
-    result = parser.extract(text)
-    assert result.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == calls
-    rng = random.Random(len(text))
-    for _ in range(50):
-        streamed_content, streamed_calls = _streamed_tools(parser, _cuts(text, rng))
-        assert streamed_content == (content or "")
-        assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls
+    _check_streams(get_tool_parser("llama3_json"), text, content, calls)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_arguments_stream_as_written(name):
+    """Once a call's name is known, each new piece of its arguments is sent at once, before
+    the call (or the block) ends."""
+    head = '{"name": "get_weather", "%s": ' % ("arguments" if name == "hermes" else "parameters")
+    stream = get_tool_parser(name).stream()
+    assert stream.feed(("<tool_call>\n" if name == "hermes" else "") + head) == []
+    first = stream.feed('{"city"')  # the value has begun: the name is known
+    assert [(d.name, d.arguments) for d in first] == [("get_weather", ""), (None, '{"city"')]
+    for piece in [': "Pa', 'ris"', "}"]:
+        assert [(d.name, d.arguments) for d in stream.feed(piece)] == [(None, piece)]
 
 
 REASONING_CASES = [  # parser, text, reasoning, content
@@ -148,6 +193,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     ({"type": "function", "function": {"name": "get_weather"}}, None, '{"city":"Rome"}',
      (None, None, [["get_weather", '{"city":"Rome"}']]), None),
     ("none", "deepseek_r1", "hmm</think>It is sunny.", ("hmm", "It is sunny.", []), None),
+    # forced answers cut by max_tokens: the calls as written so far, never the grammar's text
+    ("required", None, '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+     '"parameters": {"ci', (None, None, [["get_time", "{}"], ["get_weather", '{"ci']]), None),
+    ("required", None, '[{"name": "get_w', (None, "", []), None),
+    ({"type": "function", "function": {"name": "get_weather"}}, "qwen3",
+     '<think>x</think>{"city": "Ro', ("x", None, [["get_weather", '{"city": "Ro']]), None),
 ])
 def test_chat_answers_whole_and_streamed(tool_choice, reasoning, text, want, parallel):
     from launch.entrypoints.openai.chat_answer import ChatAnswerParser
@@ -161,7 +212,39 @@ def test_chat_answers_whole_and_streamed(tool_choice, reasoning, text, want, par
     rng = random.Random(7)
     for _ in range(30):
         got = _answer_stream(parser, _cuts(text, rng))
-        assert (got["reasoning"] or None, got["content"] or None, got["calls"]) == want
+        assert (got["reasoning"] or None, got["content"] or None, got["calls"]) == \
+            (want[0], want[1] or None, want[2])
+
+
+def test_chat_deltas_carry_one_entry_per_call_and_both_reasoning_names():
+    """OpenAI's stream shape: a chunk never holds two entries with the same index; a call's
+    first entry has index, id, type, name and its first arguments, later ones index and
+    arguments only."""
+    from launch.entrypoints.openai.chat_answer import ChatAnswerParser
+    from launch.entrypoints.openai.serving_chat import delta_fields
+    from launch.entrypoints.openai.tool_choice import parse_tool_choice
+    for choice, text in [("required", '[{"name": "get_time", "parameters": {}}, '
+                          '{"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+                         ("auto", f"<think>hm</think><tool_call>{WEATHER}</tool_call>"),
+                         ({"type": "function", "function": {"name": "get_time"}}, "{}")]:
+        parser = ChatAnswerParser(parse_tool_choice(TOOLS, choice, None),
+                                  get_tool_parser("hermes"), get_reasoning_parser("qwen3"))
+        rng = random.Random(3)
+        for cut in [[text], *(_cuts(text, rng) for _ in range(20))]:
+            stream, seen = parser.stream(), set()
+            for delta in [*(stream.feed(p) for p in cut), stream.finish()]:
+                fields = delta_fields(delta)
+                assert fields.get("reasoning") == fields.get("reasoning_content")
+                entries = fields.get("tool_calls", [])
+                assert len({e["index"] for e in entries}) == len(entries)
+                for e in entries:
+                    if e["index"] in seen:
+                        assert set(e) == {"index", "function"} and set(e["function"]) == \
+                            {"arguments"}
+                    else:
+                        seen.add(e["index"])
+                        assert e["id"].startswith("call_") and e["type"] == "function"
+                        assert set(e["function"]) == {"name", "arguments"}
 
 
 def test_tool_choice_schema_and_refusals():
@@ -176,9 +259,11 @@ def test_tool_choice_schema_and_refusals():
     assert named.schema() == {"type": "object"}
     assert parse_tool_choice(None, None, None).mode == "none"
     assert parse_tool_choice(TOOLS, None, None).mode == "auto"
+    not_object = [{"type": "function", "function": {"name": "n", "parameters": {
+        "type": "integer"}}}]
     for tools, choice in ((TOOLS, {"type": "function", "function": {"name": "nope"}}),
                           (None, "required"), (TOOLS, "sometimes"), ([{"type": "x"}], None),
-                          (TOOLS + TOOLS[:1], None)):
+                          (TOOLS + TOOLS[:1], None), (not_object, "required")):
         with pytest.raises(APIError) as e:
             parse_tool_choice(tools, choice, None)
         assert e.value.status == 400 and e.value.param in ("tools", "tool_choice")
@@ -247,3 +332,49 @@ def test_serve_parser_flags():
     assert parsers.tool_parser.name == "hermes" and parsers.reasoning.name == "deepseek_r1"
     args.enable_auto_tool_choice = False  # a parser alone does not enable "auto"
     assert chat_parsers(args).tool_parser is None
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_auto_tools_beside_a_schema_is_one_grammar_of_two_branches(guidance_tokenizer,
+                                                                   parser_name):
+    """tool_choice "auto" with a response_format: the answer is calls in the parser's format
+    (each valid for its tool) or content matching the schema, and the parser reads the calls
+    back; with a reasoning parser, after the reasoning."""
+    import llguidance
+
+    from engine_core.structured_output.grammar import check_grammar, grammar_text
+    from launch.entrypoints.openai.chat_constraint import after_reasoning, chat_constraint
+    from launch.entrypoints.openai.structured_outputs import StructuredFields
+    from launch.entrypoints.openai.tool_choice import parse_tool_choice
+    tokenizer, encoder = guidance_tokenizer
+    parser = get_tool_parser(parser_name)
+    body = StructuredFields(response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "object", "properties": {
+            "verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"]}}})
+    key = parser.arguments_key
+    call = '{"name": "get_weather", "%s": {"city": "Oslo"}}' % key
+    calls = {"hermes": f"<tool_call>\n{call}\n</tool_call>\n<tool_call>\n"
+             f'{{"name": "get_time", "arguments": {{}}}}\n</tool_call>',
+             "llama3_json": f'{call}; {{"name": "get_time", "parameters": {{}}}}'}[parser_name]
+    for reasoning in (None, "qwen3"):
+        constraints = chat_constraint(body, parse_tool_choice(TOOLS, "auto", None), parser)
+        assert [c.param for c in constraints.checks] == ["response_format"]
+        params = after_reasoning(constraints.answer,
+                                 get_reasoning_parser(reasoning) if reasoning else None).params
+        check_grammar(params)
+        grammar = grammar_text(params)
+
+        def accepts(text: str) -> bool:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            ids = encoder.encode(text, add_special_tokens=False).ids
+            return matcher.consume_tokens(ids) and matcher.is_accepting()
+        prefix = "<think>hm</think>\n" if reasoning else ""
+        assert accepts(prefix + calls) and accepts(prefix + '{"verdict": "no"}')
+        assert not accepts(prefix + '{"verdict": "maybe"}')
+        assert not accepts(prefix + calls.replace('"Oslo"', "3"))  # the tool's schema holds
+        assert not accepts(prefix + "Just text.")
+        extracted = parser.extract(calls)
+        assert [c.name for c in extracted.tool_calls] == ["get_weather", "get_time"]
+    # forced calls: the schema is accepted (checked on its own), the call is what is enforced
+    forced = chat_constraint(body, parse_tool_choice(TOOLS, "required", None), parser)
+    assert forced.answer.param == "tools" and forced.checks[0].param == "response_format"

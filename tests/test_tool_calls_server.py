@@ -131,10 +131,12 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     (CALL, ["add"]),
     ('Two: ' + CALL + '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", '
      '"unit": "celsius"}}</tool_call>', ["add", "get_weather"]),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', [])])
+    ('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', ["add"]),
+    ('<tool_call>{"name": 7}</tool_call>', [])])
 def test_auto_parses_the_models_text(client, model, text, names):
-    """The model's text is made `text` by a choice constraint; "auto" reads the calls in it
-    (malformed call JSON stays content)."""
+    """The model's text is made `text` by a choice constraint; "auto" reads the calls in it:
+    once a call's name is known it is a call, its arguments as written (even cut short);
+    a block that never names a call stays content."""
     kwargs = dict(messages=MESSAGES, tools=TOOLS, max_tokens=400,
                   extra_body={"structured_outputs": {"choice": [text]}})
     out = client.chat.completions.create(model=model, **kwargs).choices[0]
@@ -145,7 +147,7 @@ def test_auto_parses_the_models_text(client, model, text, names):
     calls, finish = _streamed(client, model, **kwargs)
     assert [c["name"] for c in calls.values()] == names and finish == out.finish_reason
     for streamed, whole in zip(calls.values(), out.message.tool_calls or ()):
-        assert json.loads(streamed["arguments"]) == json.loads(whole.function.arguments)
+        assert streamed["arguments"] == whole.function.arguments
 
 
 def test_reasoning_moves_to_its_own_field_whole_and_streamed(reasoning_server, model):
@@ -188,8 +190,13 @@ def test_template_gets_tools_calls_and_results(server, model):
 @pytest.mark.parametrize("body, param, words", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "nope"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+    ({"tool_choice": "required", "structured_outputs": {"json_object": True}}, "tool_choice",
      "both"),
+    ({"tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, "response_format",
+     "json_schema"),
+    ({"tools": [{"type": "function", "function": {"name": "n", "parameters": {
+        "type": "integer"}}}], "tool_choice": "required"}, "tools", "object"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {
         "type": "object", "properties": {"y": {"type": "string", "pattern": "(?<=a)b"}}}}}],

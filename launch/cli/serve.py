@@ -19,6 +19,7 @@ from launch.cli.engine_args import add_engine_args, engine_kwargs
 from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.http_limits import HttpLimits, bounded_h11_protocol
 from launch.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
+from launch.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES
 from launch.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from launch.errors import EngineDeadError
 
@@ -55,8 +56,15 @@ def _add_chat_parser_args(parser: argparse.ArgumentParser) -> None:
                        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 "
                             "<tool_call>{...}</tool_call>; llama3_json: Llama 3.x JSON)")
     group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
-                       help="move <think>...</think> into reasoning_content; a structured-"
-                            "output constraint then holds the answer after it")
+                       help="move <think>...</think> into reasoning (and reasoning_content); "
+                            "a structured-output constraint then holds the answer after it")
+    group.add_argument("--responses-store-max-responses", type=int,
+                       default=DEFAULT_MAX_RESPONSES,
+                       help="/v1/responses keeps at most this many stored responses (store: "
+                            "true), least recently used out first (default %(default)s)")
+    group.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                       help="... and at most this many bytes of them, as JSON (default "
+                            "%(default)s)")
 
 
 def chat_parsers(args: argparse.Namespace) -> ChatParsers:
@@ -155,6 +163,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from launch.async_llm import AsyncLLM
     from launch.entrypoints.openai.api_server import build_app
+    from launch.entrypoints.openai.responses_store import ResponseStore
     from launch.metrics.prometheus import PrometheusStatLogger
     from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
@@ -173,7 +182,9 @@ def serve(args: argparse.Namespace) -> int:
         metrics.log_cache_config(engine.config, engine.engine.readies)
         app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
                         chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
-                        chat_parsers=parsers)
+                        chat_parsers=parsers,
+                        responses_store=ResponseStore(args.responses_store_max_responses,
+                                                      args.responses_store_max_bytes))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=bounded_h11_protocol(limits),

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (`deltaserve serve`): a FastAPI app on `AsyncLLM`.
 
 Routes: GET /health, /v1/models, /version, /metrics; POST /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize. Every error is OpenAI's JSON shape; with an API
-key, every route but the OPEN_PATHS (vLLM's health and monitoring routes) wants
-`Authorization: Bearer KEY`.
+/v1/chat/completions, /tokenize, /detokenize; the Responses API (`serving_responses`) and
+Anthropic's Messages API (`anthropic/`). Every error is OpenAI's JSON shape (Anthropic's on
+its routes); with an API key, every route but the OPEN_PATHS (vLLM's health and monitoring
+routes) wants `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`.
 """
 from __future__ import annotations
 
@@ -21,13 +22,21 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.anthropic import (
+    ANTHROPIC_PATHS,
+    AnthropicServingMessages,
+    add_messages_routes,
+    anthropic_error,
+)
 from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.http_limits import HeaderCountMiddleware, HttpLimits
 from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, read_body
+from launch.entrypoints.openai.responses_store import ResponseStore
 from launch.entrypoints.openai.serving_chat import OpenAIServingChat
 from launch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from launch.entrypoints.openai.serving_engine import json_response
+from launch.entrypoints.openai.serving_responses import OpenAIServingResponses
 from launch.metrics.prometheus import PrometheusStatLogger
 from launch.processing.chat_template import ChatTemplate
 
@@ -41,14 +50,19 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
-                response = APIError(401, "a valid API key is required "
-                                    "(Authorization: Bearer KEY)").response()
+            headers = Headers(scope=scope)
+            bearer = hmac.compare_digest(headers.get("authorization", "").encode(), self.bearer)
+            key = hmac.compare_digest(headers.get("x-api-key", "").encode(), self.key)
+            if not (bearer or key):
+                error = APIError(401, "a valid API key is required (Authorization: Bearer "
+                                 "KEY, or x-api-key: KEY)")
+                response = (anthropic_error(error) if scope["path"].startswith(ANTHROPIC_PATHS)
+                            else error.response())
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -59,7 +73,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
               chat_template: ChatTemplate | None = None,
               metrics: PrometheusStatLogger | None = None, owns_engine: bool = True,
               limits: HttpLimits = HttpLimits(),
-              chat_parsers: ChatParsers = ChatParsers()) -> FastAPI:
+              chat_parsers: ChatParsers = ChatParsers(),
+              responses_store: ResponseStore | None = None) -> FastAPI:
     """The app serving `engine` under one or more model names (the first is reported); with
     `owns_engine`, its shutdown stops the engine."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -84,23 +99,40 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     chat = OpenAIServingChat(engine, names, inputs, chat_template, chat_parsers)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/chat/completions")(chat.create)
+    store = ResponseStore() if responses_store is None else responses_store
+    _responses_routes(app, OpenAIServingResponses(chat, store))
+    add_messages_routes(app, AnthropicServingMessages(chat))
     _info_routes(app, engine, names, metrics)
     _tokenizer_routes(app, engine, chat)
     return app
 
 
+def _responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.get)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.post("/v1/responses/{response_id}/cancel")(responses.cancel)
+    app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
+
+
 def _error_handlers(app: FastAPI) -> None:
+    def shaped(request: Request, error: APIError) -> Response:
+        """OpenAI's error shape, Anthropic's on its routes."""
+        if request.url.path.startswith(ANTHROPIC_PATHS):
+            return anthropic_error(error)
+        return error.response()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
-        return e.response()
+        return shaped(request, e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        return APIError(e.status_code, str(e.detail)).response()
+        return shaped(request, APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
-        return APIError(500, f"internal error: {e!r}").response()
+        return shaped(request, APIError(500, f"internal error: {e!r}"))
 
 
 def _info_routes(app: FastAPI, engine: AsyncLLM, names: list[str],

@@ -1,10 +1,13 @@
 """A chat answer's parts: reasoning (`--reasoning-parser`), content and tool calls (by the
-request's tool mode), whole for a response or as deltas for a stream.
+request's tool mode), whole for a response or as ordered deltas for a stream. Every API that
+answers chat (chat completions, Responses, Anthropic Messages, `LLM.chat`) reads answers here.
 
-Whole and streamed agree: the streamed `reasoning_content` and `content` deltas concatenate to
-the whole answer's, and each streamed call (id and name first, then argument pieces) to the
-whole answer's call. The finish reason becomes "tool_calls" when an answer that stopped
-normally holds calls.
+Whole and streamed agree: for any cut of the text, the streamed parts come in the same order
+and concatenate to the whole answer's reasoning, content and calls (each call's id and name
+first, then argument pieces as the model writes them). A call cut short (by `max_tokens`)
+keeps the arguments written so far, as OpenAI returns a truncated call; a forced answer never
+shows its grammar's own text as content. The finish reason becomes "tool_calls" when an
+answer that stopped normally holds calls.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from launch.entrypoints.openai.tool_parsers import (
     ToolParser,
     ToolStream,
 )
-from launch.entrypoints.openai.tool_parsers.base import call_deltas, tool_call_id
+from launch.entrypoints.openai.tool_parsers.base import ToolParts, tool_call_id
+from launch.entrypoints.openai.tool_parsers.json_call import JsonCallsStream
 
 
 @dataclass(slots=True)
@@ -29,9 +33,11 @@ class ChatAnswer:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
     def message(self) -> dict[str, Any]:
+        """OpenAI's assistant message; reasoning under vLLM's current name `reasoning` and
+        its older `reasoning_content` (which LiteLLM and DeepSeek-style clients read)."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning is not None:
-            message["reasoning_content"] = self.reasoning
+            message["reasoning"] = message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
         return message
@@ -59,19 +65,23 @@ class ChatAnswerParser:
         self.tool_parser = tool_parser if tools.mode == "auto" else None
         self.reasoning = reasoning
 
-    def parse(self, text: str, finished_normally: bool = True) -> ChatAnswer:
+    def parts(self, text: str) -> AnswerDelta:
+        """The parts of a whole answer, in order (what a stream of any cut gives)."""
         stream = self.stream()
-        out = [stream.feed(text), stream.finish(finished_normally)]
-        answer = ChatAnswer(None)
-        reasoning = "".join(o.reasoning for o in out)
-        content = "".join(o.content for o in out)
-        for delta in (d for o in out for d in o.tool_calls):
-            if delta.name is not None:
-                answer.tool_calls.append(ToolCall(delta.name, delta.arguments, delta.id))
+        delta = stream.feed(text)
+        delta.parts += stream.finish().parts
+        return delta
+
+    def parse(self, text: str) -> ChatAnswer:
+        delta = self.parts(text)
+        answer = ChatAnswer(None, delta.reasoning or None)
+        for call in delta.tool_calls:
+            if call.name is not None:
+                answer.tool_calls.append(ToolCall(call.name, call.arguments, call.id))
             else:
-                answer.tool_calls[delta.index].arguments += delta.arguments
-        answer.reasoning = reasoning or None
-        answer.content = content or (None if answer.tool_calls or answer.reasoning else "")
+                answer.tool_calls[call.index].arguments += call.arguments
+        answer.content = delta.content or (None if answer.tool_calls or answer.reasoning
+                                           else "")
         return answer
 
     def stream(self) -> AnswerStream:
@@ -80,9 +90,30 @@ class ChatAnswerParser:
 
 @dataclass(slots=True)
 class AnswerDelta:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    """New parts of an answer in the order written: ("reasoning", text), ("content", text)
+    and ("call", ToolCallDelta)."""
+
+    parts: list[tuple[str, Any]] = field(default_factory=list)
+
+    def add(self, kind: str, value: Any) -> None:
+        if value == "":
+            return
+        if kind != "call" and self.parts and self.parts[-1][0] == kind:
+            self.parts[-1] = (kind, self.parts[-1][1] + value)
+        else:
+            self.parts.append((kind, value))
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(value for kind, value in self.parts if kind == "reasoning")
+
+    @property
+    def content(self) -> str:
+        return "".join(value for kind, value in self.parts if kind == "content")
+
+    @property
+    def tool_calls(self) -> list[ToolCallDelta]:
+        return [value for kind, value in self.parts if kind == "call"]
 
 
 class AnswerStream:
@@ -93,67 +124,53 @@ class AnswerStream:
         self.tools = parser.tools
         self.reasoning: ReasoningStream | None = (parser.reasoning.stream()
                                                   if parser.reasoning else None)
-        self.calls: ToolStream | None = (parser.tool_parser.stream()
-                                         if parser.tool_parser else None)
-        self.forced = ""  # a forced answer's text so far ("required"/"named")
+        self.calls: ToolStream | None = None
+        if parser.tool_parser is not None:
+            self.calls = parser.tool_parser.stream()
+        elif self.mode == "required":  # `[{"name": ..., "parameters": {...}}, ...]`
+            self.calls = JsonCallsStream(",[]", content=False)
         self.named_id = tool_call_id() if self.mode == "named" else None
+        self.named_started = False
 
     def feed(self, text: str) -> AnswerDelta:
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.feed(text)
-            return self._answer(text, AnswerDelta(reasoning=reasoning))
-        return self._answer(text, AnswerDelta())
-
-    def finish(self, finished_normally: bool = True) -> AnswerDelta:
         delta = AnswerDelta()
         if self.reasoning is not None:
-            delta.reasoning, text = self.reasoning.finish()
-            delta = self._answer(text, delta)
+            reasoning, text = self.reasoning.feed(text)
+            delta.add("reasoning", reasoning)
+        self._answer(text, delta)
+        return delta
+
+    def finish(self) -> AnswerDelta:
+        delta = AnswerDelta()
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.finish()
+            delta.add("reasoning", reasoning)
+            self._answer(text, delta)
         if self.calls is not None:
-            content, calls = self.calls.finish()
-            delta.content += content
-            delta.tool_calls += self._allowed(calls)
-        elif self.mode == "required":
-            delta = self._required(delta, finished_normally)
+            self._parts(self.calls.finish(), delta)
         return delta
 
-    def _answer(self, text: str, delta: AnswerDelta) -> AnswerDelta:
+    def _answer(self, text: str, delta: AnswerDelta) -> None:
         if self.mode == "named":
-            return self._named(text, delta)
-        if self.mode == "required":
-            self.forced += text
+            self._named(text, delta)
         elif self.calls is not None:
-            content, calls = self.calls.feed(text)
-            delta.content += content
-            delta.tool_calls += self._allowed(calls)
+            self._parts(self.calls.feed(text), delta)
         else:
-            delta.content += text
-        return delta
+            delta.add("content", text)
 
-    def _allowed(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
-        """Under `parallel_tool_calls: false`, the first parsed call only (as vLLM)."""
-        return calls if self.tools.parallel else [c for c in calls if c.index == 0]
+    def _parts(self, parts: ToolParts, delta: AnswerDelta) -> None:
+        """Under `parallel_tool_calls: false`, the first call only (as vLLM)."""
+        for part in parts:
+            if isinstance(part, str):
+                delta.add("content", part)
+            elif self.tools.parallel or part.index == 0:
+                delta.add("call", part)
 
-    def _named(self, text: str, delta: AnswerDelta) -> AnswerDelta:
+    def _named(self, text: str, delta: AnswerDelta) -> None:
         """The answer is the named function's arguments, streamed as they come."""
-        if not self.forced and not text:
-            return delta
-        if not self.forced:
-            delta.tool_calls.append(ToolCallDelta(0, self.named_id, self.tools.named.name, ""))
-        self.forced += text
-        if text:
-            delta.tool_calls.append(ToolCallDelta(0, arguments=text))
-        return delta
-
-    def _required(self, delta: AnswerDelta, finished_normally: bool) -> AnswerDelta:
-        """A list of calls, emitted once whole; an answer cut short is content."""
-        text, self.forced = self.forced, ""
-        try:
-            calls = self.tools.forced_calls(text) if finished_normally else None
-        except (ValueError, KeyError, TypeError):
-            calls = None
-        if not calls:
-            delta.content += text
-            return delta
-        delta.tool_calls += [d for i, call in enumerate(calls) for d in call_deltas(i, call)]
-        return delta
+        if not text:
+            return
+        if not self.named_started:
+            self.named_started = True
+            delta.add("call", ToolCallDelta(0, self.named_id, self.tools.named.name, ""))
+        delta.add("call", ToolCallDelta(0, arguments=text))

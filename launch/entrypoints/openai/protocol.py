@@ -8,7 +8,6 @@ through the server as through `LLM`; the structured-output fields are read by
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import msgspec
@@ -65,22 +64,26 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 class ToolCallFunction(msgspec.Struct):
     name: str
-    arguments: str  # a JSON object, as text (OpenAI's shape)
+    arguments: Any = None  # a JSON object as text (OpenAI's shape); an object is taken too
 
 
 class MessageToolCall(msgspec.Struct, kw_only=True):
-    id: str
+    id: str | None = None
     type: str = "function"
     function: ToolCallFunction
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message in any shape OpenAI's API accepts (see `chat_messages` for how it
+    reaches the template)."""
+
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[Any] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a "tool" message answers this call
-    reasoning_content: str | None = None
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning_content: str | None = None  # the same, by its older name
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -185,36 +188,3 @@ def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
             return prompts
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or "
                    "a list of lists of token ids (non-empty)", "prompt")
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template, in the shape Hugging Face templates read: content
-    given as parts keeps its text parts only; an assistant's `tool_calls` carry their
-    `arguments` parsed back into objects (what templates render), a tool message its
-    `tool_call_id`."""
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, "only text content parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        message: dict[str, Any] = {"role": m.role, "content": content}
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(m, key) is not None:
-                message[key] = getattr(m, key)
-        if m.tool_calls:
-            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
-        out.append(message)
-    return out
-
-
-def _template_call(call: MessageToolCall) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        raise APIError(400, f"tool call {call.id!r}: arguments must be a JSON object as "
-                       "text", "messages") from None
-    return {"id": call.id, "type": call.type,
-            "function": {"name": call.function.name, "arguments": arguments}}

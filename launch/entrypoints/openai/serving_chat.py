@@ -1,10 +1,11 @@
 """`POST /v1/chat/completions`: messages (and tools) rendered with the chat template; the
-answer split into reasoning, content and tool calls, whole or streamed."""
+answer split into reasoning, content and tool calls, whole or streamed. `prepare`, `answer`
+and `answer_deltas` are what the Responses and Anthropic Messages routes run too."""
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -13,17 +14,16 @@ from fastapi.responses import StreamingResponse
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.chat_answer import (
     AnswerDelta,
-    AnswerStream,
     ChatAnswerParser,
     ChatParsers,
     finish_reason,
 )
-from launch.entrypoints.openai.chat_constraint import after_reasoning, chat_constraint
+from launch.entrypoints.openai.chat_messages import message_dicts, render
+from launch.entrypoints.openai.chat_request import plan_chat
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    message_dicts,
     read_body,
     sampling_params,
 )
@@ -38,11 +38,20 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
-from launch.entrypoints.openai.tool_choice import parse_tool_choice
+from launch.entrypoints.openai.tool_parsers import ToolCallDelta
 from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from launch.processing.chat_template import ChatTemplate, ChatTemplateError
+from launch.processing.chat_template import ChatTemplate
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request validated and tokenized, ready to submit."""
+
+    body: ChatCompletionRequest
+    inputs: ProcessedInput
+    answers: ChatAnswerParser
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -53,69 +62,75 @@ class OpenAIServingChat(OpenAIServing):
         self.template = template
         self.parsers = parsers
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (for /tokenize)."""
         if self.template is None:
-            raise APIError(400, "the model has no chat template (no chat_template in its "
-                           "tokenizer_config.json, no chat_template.jinja); start the server "
-                           "with --chat-template FILE", "messages")
-        if not messages:
-            raise APIError(400, "messages must not be empty", "messages")
-        dicts = message_dicts(messages)
-        chars = sum(len(m["content"] or "") for m in dicts) + len(json.dumps(tools or []))
-        if chars > self.engine.inputs.max_prompt_chars:
-            raise APIError(400, f"the messages hold {chars} characters, more than a prompt of "
-                           f"max_model_len={self.engine.max_model_len} tokens can "
-                           f"({self.engine.inputs.max_prompt_chars})", "messages")
-        try:
-            return self.template.render(dicts, add_generation_prompt, tools=tools)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, "the model has no chat template", "messages")
+        return render(self.template, message_dicts(messages), add_generation_prompt, None)
 
-    async def create(self, raw: Request) -> Response:
-        body = await read_body(raw, ChatCompletionRequest)
+    async def prepare(self, body: ChatCompletionRequest) -> ChatRun:
+        """Validate, render and tokenize a chat request (on the input thread), and bound
+        what it may cost: the same for every chat-like route."""
         self.check_model(body.model)
         self.check_alive()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        answers = self.answer_parser(body)
-        constraint = chat_constraint(body, answers.tools)
 
-        def prepare() -> list[ProcessedInput]:  # on the input thread: grammar checks, template
-            answer_constraint = after_reasoning(constraint, self.parsers.reasoning)
+        answers: list[ChatAnswerParser] = []
+
+        def prepare() -> ProcessedInput:  # on the input thread: grammar checks, template
+            plan = plan_chat(body, self.template, self.parsers,
+                             self.engine.inputs.max_prompt_chars, self.check_constraint)
             params = sampling_params(
                 body, {"max_tokens": max_tokens}, model_defaults=self.sampling_defaults,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                structured_outputs=answer_constraint and answer_constraint.params)
-            return [self.process(self.render(body.messages, body.add_generation_prompt,
-                                             body.tools),
-                                 params, add_special_tokens=False, constraint=answer_constraint)]
-        inputs = await self.off_loop(prepare)
-        self.check_budget(inputs)
+                structured_outputs=plan.constraint and plan.constraint.params)
+            answers.append(plan.answers)
+            return self.process(plan.prompt, params, add_special_tokens=False,
+                                constraint=plan.constraint)
+        inputs = await self.off_loop(prepare)  # returns the ProcessedInput, as off_loop expects
+        self.check_budget([inputs])
+        return ChatRun(body, inputs, answers[0])
+
+    async def answer(self, raw: Request, run: ChatRun, rid: str) -> RequestOutput:
+        """The whole output (`run.answers` splits each sequence's text)."""
+        streams = self.submit(rid, [run.inputs], RequestOutputKind.FINAL_ONLY)
+        (out,) = await until_disconnected(raw, self.collect(streams))
+        return out
+
+    async def answer_deltas(self, run: ChatRun, rid: str
+                            ) -> AsyncIterator[tuple[RequestOutput, CompletionOutput,
+                                                     AnswerDelta]]:
+        """Each sequence's new output and its parsed parts, as they come (submitted on the
+        first step; aborted when the consumer stops early)."""
+        streams: list[RequestStream] = []
+        parts = [run.answers.stream() for _ in range(run.inputs.params.n)]
+        try:
+            streams = self.submit(rid, [run.inputs], RequestOutputKind.DELTA)
+            async for _, out in merge(streams):
+                for seq in out.outputs:
+                    delta = parts[seq.index].feed(seq.text)
+                    if seq.finish_reason is not None:
+                        delta.parts += parts[seq.index].finish().parts
+                    yield out, seq, delta
+        finally:
+            self.abort(streams)
+
+    async def create(self, raw: Request) -> Response:
+        body = await read_body(raw, ChatCompletionRequest)
+        run = await self.prepare(body)
         rid = request_id("chatcmpl")
         if body.stream:  # submitted once the response streams: a client gone before never is
-            return StreamingResponse(self._stream(rid, body, inputs[0], answers),
-                                     media_type="text/event-stream")
-        streams = self.submit(rid, inputs, RequestOutputKind.FINAL_ONLY)
-        (out,) = await until_disconnected(raw, self.collect(streams))
-        return await self.respond(inputs, lambda: self._response(rid, body, out, answers))
+            return StreamingResponse(self._stream(rid, run), media_type="text/event-stream")
+        out = await self.answer(raw, run, rid)
+        return await self.respond([run.inputs], lambda: self._response(rid, run, out))
 
-    def answer_parser(self, body: ChatCompletionRequest) -> ChatAnswerParser:
-        """How this request's answers split: its tool mode (400 for a malformed one, or for
-        "auto" on a server started without --enable-auto-tool-choice, as vLLM answers)."""
-        tools = parse_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if tools.mode == "auto" and self.parsers.tool_parser is None:
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
-                           "--tool-call-parser to be set", "tool_choice")
-        return ChatAnswerParser(tools, self.parsers.tool_parser, self.parsers.reasoning)
-
-    def _response(self, rid: str, body: ChatCompletionRequest, out: RequestOutput,
-                  answers: ChatAnswerParser) -> dict[str, Any]:
-        choices = []
+    def _response(self, rid: str, run: ChatRun, out: RequestOutput) -> dict[str, Any]:
+        body, choices = run.body, []
         for seq in out.outputs:
-            answer = answers.parse(seq.text, seq.finish_reason == "stop")
+            answer = run.answers.parse(seq.text)
             choices.append({
                 "index": seq.index, "message": answer.message(),
                 "logprobs": chat_logprobs(seq, body.top_logprobs or 0) if body.logprobs else None,
@@ -128,12 +143,9 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": usage(len(out.prompt_token_ids),
                                sum(len(s.token_ids) for s in out.outputs))}
 
-    async def _stream(self, rid: str, body: ChatCompletionRequest, inputs: ProcessedInput,
-                      answers: ChatAnswerParser) -> AsyncIterator[bytes]:
-        created, generated = now(), 0
-        streams: list[RequestStream] = []
-        parts = [answers.stream() for _ in range(inputs.params.n)]
-        called = [False] * inputs.params.n  # whether a sequence has streamed a tool call
+    async def _stream(self, rid: str, run: ChatRun) -> AsyncIterator[bytes]:
+        body, created, generated = run.body, now(), 0
+        called = [False] * run.inputs.params.n  # whether a sequence has streamed a tool call
 
         def chunk(index: int, delta: dict[str, Any], seq: CompletionOutput | None) -> bytes:
             finish = None if seq is None else finish_reason(seq.finish_reason, called[index])
@@ -146,43 +158,50 @@ class OpenAIServingChat(OpenAIServing):
                                      "stop_reason": None if seq is None or finish is None
                                      else seq.stop_reason}]})
         try:
-            streams = self.submit(rid, [inputs], RequestOutputKind.DELTA)
-            for index in range(inputs.params.n):
+            for index in range(run.inputs.params.n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
-            async for _, out in merge(streams):
-                for seq in out.outputs:
-                    generated += len(seq.token_ids)
-                    delta = _delta_fields(parts[seq.index], seq)
-                    called[seq.index] = called[seq.index] or "tool_calls" in delta
-                    if delta or seq.finish_reason or (seq.token_ids and body.logprobs):
-                        yield chunk(seq.index, delta, seq)
+            async for _, seq, answer in self.answer_deltas(run, rid):
+                generated += len(seq.token_ids)
+                delta = delta_fields(answer)
+                called[seq.index] = called[seq.index] or "tool_calls" in delta
+                if delta or seq.finish_reason or (seq.token_ids and body.logprobs):
+                    yield chunk(seq.index, delta, seq)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": self.model_name, "choices": [],
-                           "usage": usage(len(inputs.prompt_token_ids), generated)})
+                           "usage": usage(len(run.inputs.prompt_token_ids), generated)})
             yield SSE_DONE
         except Exception as e:  # every refusal or failure: an error event, then [DONE]
             yield stream_error(e)
             yield SSE_DONE
-        finally:
-            self.abort(streams)
 
 
-def _delta_fields(stream: AnswerStream, seq: CompletionOutput) -> dict[str, Any]:
-    """The OpenAI delta fields of one sequence's new text (and its end, if it ended)."""
-    delta = stream.feed(seq.text)
-    if seq.finish_reason is not None:
-        end = stream.finish(seq.finish_reason == "stop")
-        delta = AnswerDelta(delta.reasoning + end.reasoning, delta.content + end.content,
-                            delta.tool_calls + end.tool_calls)
+def delta_fields(delta: AnswerDelta) -> dict[str, Any]:
+    """The OpenAI delta fields of an answer's new parts: reasoning under both its names
+    (see `ChatAnswer.message`), content, and per call at most one entry per chunk (the
+    first carrying index, id, type, name and the first arguments; later ones index and
+    arguments only)."""
     fields: dict[str, Any] = {}
-    if delta.reasoning:
-        fields["reasoning_content"] = delta.reasoning
-    if delta.content:
-        fields["content"] = delta.content
-    if delta.tool_calls:
-        fields["tool_calls"] = [call.to_openai() for call in delta.tool_calls]
+    if reasoning := delta.reasoning:
+        fields["reasoning"] = fields["reasoning_content"] = reasoning
+    if content := delta.content:
+        fields["content"] = content
+    if calls := delta.tool_calls:
+        fields["tool_calls"] = [call.to_openai() for call in merge_call_deltas(calls)]
     return fields
+
+
+def merge_call_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call as one (a call's deltas are consecutive)."""
+    merged: list[ToolCallDelta] = []
+    for d in deltas:
+        if merged and merged[-1].index == d.index:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.id, last.name,
+                                       last.arguments + d.arguments)
+        else:
+            merged.append(d)
+    return merged
 
 
 def chat_logprobs(seq: CompletionOutput, top: int) -> dict[str, list]:

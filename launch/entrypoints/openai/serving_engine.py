@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request, Response
 
+from engine_core.structured_output.grammar import check_grammar
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.structured_outputs import Constraint
@@ -69,6 +70,15 @@ class OpenAIServing:
             raise (constraint.describe(e) if constraint else APIError.bad_request(e)) from None
         except ValueError as e:
             raise APIError.bad_request(e) from None
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Ask the grammar engine about one constraint on its own (a 400 naming its body
+        field), for a constraint that is only part of what the engine enforces. Grammar
+        work: call off the event loop."""
+        try:
+            check_grammar(constraint.params)
+        except StructuredOutputsError as e:
+            raise constraint.describe(e) from None
 
     async def off_loop(self, work: Callable[[], T]) -> T:
         """`work()` on the input thread (tokenizing, rendering: proportional to the input)."""

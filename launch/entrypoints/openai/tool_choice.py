@@ -1,5 +1,5 @@
-"""`tools` and `tool_choice` of a chat request: which mode it is, the JSON schema that
-enforces a forced choice, and the calls a forced (constrained) answer holds.
+"""`tools` and `tool_choice` of a chat request: which mode it is and the JSON schema that
+enforces a forced choice (`chat_answer` reads the calls out of the answer).
 
 Modes: "none" (tools go to the template, the answer is text), "auto" (the answer is text,
 parsed for calls by `--tool-call-parser`), "required" (the answer is forced to be a JSON list
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.entrypoints.openai.errors import APIError
-from launch.entrypoints.openai.tool_parsers import ToolCall
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -44,17 +43,6 @@ class ToolChoice:
             for tool in self.tools]}
         return {"type": "array", "items": call, "minItems": 1,
                 **({} if self.parallel else {"maxItems": 1})}
-
-    def forced_calls(self, text: str) -> list[ToolCall]:
-        """The calls of a constrained answer (which the grammar made valid JSON)."""
-        if self.mode == "named":
-            return [ToolCall(self.named.name, _arguments(json.loads(text)))]
-        return [ToolCall(call["name"], _arguments(call["parameters"]))
-                for call in json.loads(text)]
-
-
-def _arguments(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def parse_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any,
@@ -89,8 +77,10 @@ def _tool(tool: Any, index: int) -> Tool:
         raise APIError(400, f"tools[{index}] must be {{\"type\": \"function\", \"function\": "
                        "{\"name\": ..., \"parameters\": {...}}}", "tools")
     parameters = function.get("parameters") or _ANY_OBJECT
-    if not isinstance(parameters, dict):
-        raise APIError(400, f"tools[{index}].function.parameters must be a JSON schema "
-                       "object", "tools")
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        got = (f"type {json.dumps(parameters.get('type'))}" if isinstance(parameters, dict)
+               else type(parameters).__name__)
+        raise APIError(400, f"tools[{index}].function.parameters must be a JSON schema of "
+                       f'type "object" (a call\'s arguments are an object), got {got}', "tools")
     return Tool(function["name"], parameters)
 

@@ -26,6 +26,7 @@ class ReasoningStream(abc.ABC):
 
 class ReasoningParser(abc.ABC):
     name: str
+    end_tag: str  # the text that ends the reasoning
     # The Lark lexeme `REASONING` (the whole reasoning, closing tag included) and how the
     # start rule uses it ("REASONING " or "REASONING? "), for constraints on the answer.
     reasoning_lexeme: str

@@ -68,6 +68,7 @@ class ThinkTagStream(ReasoningStream):
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    end_tag = END
     reasoning_lexeme = r"REASONING: /[ \t\r\n]*<think>" + _UNTIL_END
     reasoning_rule = "REASONING? "
 
@@ -77,6 +78,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    end_tag = END
     reasoning_lexeme = r"REASONING: /[ \t\r\n]*(<think>)?" + _UNTIL_END
     reasoning_rule = "REASONING "
 
