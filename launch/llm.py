@@ -99,7 +99,7 @@ class LLM:
         the chat route, and `tool_call_parser`/`reasoning_parser` what `serve`'s flags do;
         each sequence's parsed answer (content, reasoning, tool_calls) is its `message`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params = per_prompt(sampling_params, len(conversations))
+        params = per_prompt(sampling_params, len(conversations), self.inputs.sampling_defaults)
         if self.tokenizer is None:
             raise ValueError(f"the model directory {self.config.model!r} has no tokenizer")
         template = (ChatTemplate(chat_template) if chat_template is not None
