@@ -2,21 +2,38 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP_FLAGS ?= -q --disable-pip-version-check
+# pip shows what it fetches and installs (its progress bars on a terminal); the location
+# warnings some pip configurations print for every package are dropped.
+PIP := $(PY) -m pip install --disable-pip-version-check
+SHELL := /bin/bash
+QUIET_PIP := 2> >(grep -v "^WARNING: Location" >&2)
 
-.PHONY: install test demo simulate bench clean
+.PHONY: install dev test demo kernels simulate bench clean
 
+# The runtime only (what `make demo` and `deltaserve serve` need).
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import torch, msgspec, zmq, transformers"  # fail here, not in the tests
+	$(PIP) -e . $(QUIET_PIP)
+	$(PY) -c "import torch, msgspec, zmq, transformers"  # fail here, not later
+	touch $@
+
+# ... and the test extra (pytest, ruff, the router and Ray tests' packages, CuPy/NVRTC).
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e '.[test]' $(QUIET_PIP)
 	touch $@
 
 install: $(VENV)/.installed
 
-test: install
+dev: $(VENV)/.installed-test
+
+test: dev
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The native CPU kernels for this CPU and compiler (a worker builds them before it reports
+# ready otherwise; cached in ~/.cache/deltaserve/cpu-kernels, shared by every checkout).
+kernels: install
+	$(VENV)/bin/deltaserve kernels build
 
 DEMO_CHAT ?= What is the capital of France? Answer in one sentence.
 DEMO_CODE ?= def fibonacci(n):
@@ -26,10 +43,16 @@ DEMO_CODE ?= def fibonacci(n):
 DEMO_MODEL ?= smollm2
 
 demo: install
+	$(VENV)/bin/deltaserve kernels build
 	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40
-	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80 --temperature 0
 	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40 --tensor-parallel-size 2
-	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80 --tensor-parallel-size 2
+	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80 --temperature 0 --tensor-parallel-size 2
+	@echo
+	@echo "Next, serve it (OpenAI-compatible, on port 8000) and talk to it:"
+	@echo "  $(VENV)/bin/deltaserve serve --model $(DEMO_MODEL) --port 8000"
+	@echo "  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(DEMO_MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}]}'"
 
 simulate: install
 	$(PY) benchmarks/simulate_scheduler.py

@@ -7,6 +7,11 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
                                              max_tokens come, KV state reset first)
   complete {prompt, max_tokens}           -> {seconds, tokens, text}   (create_completion,
                                              likewise: a base model's plain completion)
+  batch {prompts, max_tokens}             -> {seconds, tokens}   (token-id prompts decoded
+                                             together, one sequence each in one context
+                                             (its batch API, as llama.cpp's `batched`
+                                             example), greedy, all max_tokens; the context
+                                             is made on first use and cleared each call)
   quit
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ def init(model_path: str, n_ctx: int, n_threads: int) -> dict:
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
                           n_threads_batch=n_threads, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    STATE["llm"] = llm
+    STATE["llm"], STATE["n_threads"] = llm, n_threads
     STATE["bias"] = {t: -1e9 for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
     return {"version": llama_cpp.__version__,
             "system_info": llama_cpp.llama_print_system_info().decode().strip()}
@@ -40,6 +45,58 @@ def chat(messages: list[dict], max_tokens: int) -> dict:
             "text": reply["choices"][0]["message"]["content"]}
 
 
+def _batch_context(n_seq: int, n_ctx: int):
+    """A second context on the same model for `batch`, with room for n_seq sequences."""
+    import llama_cpp
+    key = (n_seq, n_ctx)
+    if STATE.get("batch_key") != key:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_ctx, 512
+        params.n_seq_max = n_seq
+        params.n_threads = params.n_threads_batch = STATE["n_threads"]
+        STATE["batch_ctx"] = llama_cpp.llama_init_from_model(STATE["llm"].model, params)
+        STATE["batch_key"] = key
+    return STATE["batch_ctx"]
+
+
+def batch(prompts: list[list[int]], max_tokens: int) -> dict:
+    import llama_cpp
+    import numpy as np
+    n_seq = len(prompts)
+    n_ctx = n_seq * (max(map(len, prompts)) + max_tokens + 8)
+    ctx = _batch_context(n_seq, n_ctx)
+    vocab = llama_cpp.llama_n_vocab(llama_cpp.llama_model_get_vocab(STATE["llm"].model))
+    banned = np.array(sorted(STATE["bias"]), dtype=np.int64)
+    start = time.perf_counter()
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    b = llama_cpp.llama_batch_init(n_ctx, 0, 1)
+    # (sequence, token, position, wants logits) rows: the prompts, then one token each
+    rows = [(s, t, i, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+    positions = [len(p) for p in prompts]
+    generated = 0
+    try:
+        for _ in range(max_tokens):
+            b.n_tokens = len(rows)
+            for n, (s, t, pos, wants) in enumerate(rows):
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = t, pos, 1, wants
+                b.seq_id[n][0] = s
+            if llama_cpp.llama_decode(ctx, b) != 0:
+                raise RuntimeError("llama_decode failed")
+            outputs = [n for n, row in enumerate(rows) if row[3]]
+            nxt = []
+            for s, n in enumerate(outputs):
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, n),
+                                               shape=(vocab,)).copy()
+                logits[banned] = -np.inf
+                nxt.append((s, int(logits.argmax()), positions[s], True))
+                positions[s] += 1
+            generated += len(nxt)
+            rows = nxt
+    finally:
+        llama_cpp.llama_batch_free(b)
+    return {"seconds": time.perf_counter() - start, "tokens": generated}
+
+
 def complete(prompt: str, max_tokens: int) -> dict:
     llm = STATE["llm"]
     llm.reset()
@@ -51,7 +108,7 @@ def complete(prompt: str, max_tokens: int) -> dict:
             "text": reply["choices"][0]["text"]}
 
 
-OPS = {"init": init, "chat": chat, "complete": complete}
+OPS = {"init": init, "chat": chat, "complete": complete, "batch": batch}
 
 
 def main() -> None:

@@ -92,9 +92,9 @@ def baseline_kernel(rev: str):
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(tmp, filter="data")
     kernels = pathlib.Path(tmp) / "worker" / "kernels"
-    text = f'#include "{kernels / "cpu_paged_attention.cpp"}"\n'
+    text = '#include "cpu_paged_attention.cpp"\n'
     path = build.cached_library(text, sorted(kernels.iterdir()),
-                                [*library.CXX_FLAGS, f"-I{kernels}"], library.cache_dir(),
+                                library.compile_flags(include_dir=kernels), library.cache_dir(),
                                 f"baseline-{rev}")
     return library.entry_point(path, "cpu_paged_attention", cpu_attention.ARGTYPES)
 

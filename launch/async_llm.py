@@ -73,7 +73,8 @@ class AsyncLLM:
         holds its special tokens: `add_special_tokens=False`. With `check_constraint=False`
         a constraint not checked before is left `unchecked`, for `check_constraint`."""
         text, ids = self.inputs.tokenize(prompt, add_special_tokens)
-        resolved = self.inputs.resolve(ids, params or SamplingParams(), check_constraint)
+        resolved = self.inputs.resolve(
+            ids, params or SamplingParams(**self.inputs.sampling_defaults), check_constraint)
         constraint = resolved.structured_outputs
         unchecked = (constraint if not check_constraint and constraint is not None
                      and not self.inputs.constraint_known(constraint) else None)

@@ -50,7 +50,7 @@ class LLM:
         """Run prompts to completion; results in prompt order. Every prompt and parameter is
         validated before anything is scheduled, so a bad one raises ValueError alone."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts), self.inputs.sampling_defaults)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self.inputs.tokenize(p) for p in prompts]
@@ -99,7 +99,7 @@ class LLM:
         the chat route, and `tool_call_parser`/`reasoning_parser` what `serve`'s flags do;
         each sequence's parsed answer (content, reasoning, tool_calls) is its `message`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params = per_prompt(sampling_params, len(conversations))
+        params = per_prompt(sampling_params, len(conversations), self.inputs.sampling_defaults)
         if self.tokenizer is None:
             raise ValueError(f"the model directory {self.config.model!r} has no tokenizer")
         template = (ChatTemplate(chat_template) if chat_template is not None

@@ -65,9 +65,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     gpu_memory_utilization: Annotated[float, _opt(
         "fraction of GPU memory the engine may use")] = 0.9
     num_threads: Annotated[int | None, _opt(
-        "torch threads per worker; default: $OMP_NUM_THREADS if set, else the cores divided "
-        "among the ranks")] = None
+        "torch threads per CPU worker rank, fixed; default: VLLM_CPU_OMP_THREADS_BIND's CPU "
+        "list or $OMP_NUM_THREADS if set, else the CPUs the process may use (affinity mask, "
+        "cgroup quota) divided among the ranks on the host, fewer while other processes "
+        "keep the CPUs busy")] = None
     seed: Annotated[int, _opt("seed of requests that bring none")] = 0
+    generation_config: Annotated[str, _opt(
+        "request defaults: auto, the sampling fields of the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm, "
+        "none (vLLM's defaults); or a directory holding a generation_config.json")] = "auto"
     max_logprobs: Annotated[int, _opt("most logprobs a request may ask for per token")] = 20
     attention_backend: Annotated[AttentionBackendName, _opt(
         "auto: CUDA kernels on a GPU, the compiled CPU kernel on a CPU")] = "auto"

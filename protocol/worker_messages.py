@@ -57,6 +57,7 @@ class WorkerReady(WireStruct, tag=41):
     # The KV cache's layer groups: each one's attention window (0: full attention), in the
     # order block ids travel; empty: one full-attention group.
     sliding_windows: list[int] = []
+    host: str = ""  # a CPU rank's threads and why, its OpenMP waits, AMX (for the ready line)
 
 
 class WorkerError(WireStruct, tag=42):

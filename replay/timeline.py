@@ -77,7 +77,11 @@ def _fill_row(row: np.ndarray, life: _Life) -> None:
 
 
 def draw(path: str, output: str) -> int:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("deltaserve journal timeline draws with matplotlib, which the "
+                         "runtime install leaves out: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap

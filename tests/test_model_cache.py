@@ -45,7 +45,7 @@ def fake_source(tmp_path, monkeypatch):
             dst.write(src.read())
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    def fake_materialize(gguf_file, out_dir, gguf_name=None):
+    def fake_materialize(gguf_file, out_dir, gguf_name=None, progress=True):
         calls["convert"] += 1
         time.sleep(0.2)  # long enough for a racing caller to arrive
         with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -113,6 +113,32 @@ def test_dead_builds_and_outdated_pins_are_replaced(fake_source):
     assert not mc.is_cached("fake")
     assert mc.download_model("fake") == path and mc.is_cached("fake")
     assert fake_source["convert"] == 2 and _leftovers() == []
+
+
+def test_named_models_carry_their_recommended_sampling(fake_source, monkeypatch):
+    """Written into the cached directory's generation_config.json at build; a directory
+    built before (without them) gets them added, not rebuilt."""
+    path = mc.download_model("fake")
+    assert not os.path.exists(os.path.join(path, "generation_config.json"))
+    recommended = dataclasses.replace(mc.MODELS["fake"], sampling={"temperature": 0.2,
+                                                                   "top_p": 0.9})
+    monkeypatch.setitem(mc.MODELS, "fake", recommended)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2}, f)
+    assert mc.download_model("fake") == path and fake_source["convert"] == 1
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f) == {"eos_token_id": 2, "temperature": 0.2, "top_p": 0.9}
+    mc.download_model("fake")  # nothing left to do: the file is not rewritten
+    assert [n for n in os.listdir(path) if n.endswith(".tmp")] == []
+    other = os.path.join(os.path.dirname(path), "fresh")
+    os.makedirs(other)
+    mc.write_sampling_defaults(other, {"temperature": 0.5})
+    with open(os.path.join(other, "generation_config.json")) as f:
+        assert json.load(f) == {"temperature": 0.5}
+
+
+def test_smollm2_recommends_the_cards_sampling():
+    assert mc.MODELS["smollm2"].sampling == {"temperature": 0.2, "top_p": 0.9}
 
 
 @pytest.mark.parametrize("stderr,unreachable", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import pytest
 import torch
@@ -45,10 +46,29 @@ def _rank(rank: int, init_method: str, out_dir: str) -> None:
     tp.shutdown()
 
 
-def _run_group(tmp_path) -> list[list[torch.Tensor]]:
+def _late_peer(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 1 arrives LATE_S late at each call; rank 0 records each call's wall and CPU time."""
+    from worker.distributed.tensor_parallel import TensorParallel
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, WORLD, init_method, torch.device("cpu"))
+    times = []
+    for _ in range(3):
+        if rank == 1:
+            time.sleep(LATE_S)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        tp.all_reduce(torch.ones(576))
+        times.append((time.perf_counter() - wall, time.thread_time() - cpu))
+    torch.save(times, os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+LATE_S = 0.3
+
+
+def _run_group(tmp_path, target=_rank) -> list:
     context = multiprocessing.get_context("spawn")
     init = f"file://{tmp_path}/rendezvous"
-    procs = [context.Process(target=_rank, args=(r, init, str(tmp_path))) for r in range(WORLD)]
+    procs = [context.Process(target=target, args=(r, init, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
@@ -72,3 +92,12 @@ def test_sums_are_exact_and_identical_on_every_rank(tmp_path):
 def test_switch_off_keeps_gloo(monkeypatch):
     monkeypatch.setenv(shm_all_reduce.ENV_SWITCH, "0")
     assert ShmAllReduce.create(0, 2, 1.0) is None  # before any collective: no group needed
+
+
+def test_a_rank_waiting_for_a_late_peer_sleeps(tmp_path):
+    """It spins ~0.1 ms, then sleeps on a futex until the peer publishes: the core is free
+    for the peer (or a neighbour) meanwhile, and the answer comes as soon as the peer's."""
+    waits = _run_group(tmp_path, _late_peer)[0]
+    for wall, cpu in waits:
+        assert wall > LATE_S / 2
+        assert cpu < 0.05, f"the waiting rank used {cpu * 1e3:.0f} ms of CPU in {wall * 1e3:.0f} ms"

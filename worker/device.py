@@ -14,14 +14,17 @@ import os
 
 import torch
 
+from worker.host import amx
+from worker.host.cpuinfo import cpuinfo_flags
+
 logger = logging.getLogger("deltaserve")
 
 ENV_OVERRIDE = "DELTASERVE_CPU_BF16"
-# dtype -> (torch.cpu helper, /proc/cpuinfo flags); any one of them means native support.
+# dtype -> (torch.cpu helper, /proc/cpuinfo flags, AMX flags); any one of them means native
+# support, an AMX flag only where this process is granted AMX (worker/host/amx.py).
 _NATIVE = {
-    torch.bfloat16: (("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-                     ("avx512_bf16", "amx_bf16")),
-    torch.float16: (("_is_amx_fp16_supported",), ("avx512_fp16", "amx_fp16")),
+    torch.bfloat16: (("_is_avx512_bf16_supported",), ("avx512_bf16",), ("amx_bf16",)),
+    torch.float16: ((), ("avx512_fp16",), ("amx_fp16",)),
 }
 
 
@@ -39,23 +42,15 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _detect(dtype: torch.dtype) -> bool:
-    helpers, flags = _NATIVE[dtype]
+    helpers, flags, amx_flags = _NATIVE[dtype]
     for name in helpers:
         helper = getattr(torch.cpu, name, None)
         if helper is not None and helper():
             return True
-    return bool(_cpuinfo_flags() & set(flags))
-
-
-def _cpuinfo_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
+    present = cpuinfo_flags()
+    if present & set(flags):
+        return True
+    return bool(present & set(amx_flags)) and amx.this_process() == "granted"
 
 
 def resolve_device(device: str, rank: int) -> torch.device:

@@ -18,6 +18,7 @@ from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.layers.quantization.registry import resolve_quantization
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
+from worker.native.prebuild import prebuild
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -55,6 +56,8 @@ class ModelRunner:
                            "dense weights only", self.quantization, config.dtype)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
+        if self.device.type == "cpu":  # every kernel compiled now, never inside a step
+            prebuild(say=logger.info if self.tp.rank == 0 else None)
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization)

@@ -6,9 +6,9 @@ import logging
 import os
 import socket
 import sys
+import time
 import traceback
 
-import torch
 import zmq
 
 from common.process import become_child, configure_logging, set_title
@@ -35,6 +35,7 @@ from protocol import (
 from protocol.scheduler_output import MAX_STEP_FRAME
 from worker.device import resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
+from worker.host.setup import HostSetup, set_up_host
 from worker.model_runner import ModelRunner
 from worker.worker_args import add_worker_args
 
@@ -67,6 +68,7 @@ class WorkerProc:
         self.encoder, self.decoder = Codec(Channel.WORKER_TO_CORE), Codec(Channel.CORE_TO_WORKER)
         self.current_step = 0  # the step being run, for error reports
         self.orphaned = False  # the engine core went away
+        self.host: HostSetup | None = None  # a CPU rank's threads, adapted between steps
 
     def run(self) -> int:
         try:
@@ -89,16 +91,16 @@ class WorkerProc:
 
     def _start(self, config: EngineConfig, dist_init_method: str) -> ModelRunner:
         world = config.tensor_parallel_size
-        torch.set_num_threads(_num_threads(config.num_threads,
-                                           world * config.data_parallel_size))
         device = resolve_device(config.device, self.rank)  # the ModelRunner's too
+        self.host = set_up_host(config, self.rank) if device.type == "cpu" else None
         tp = TensorParallel.initialize(self.rank, world, dist_init_method, device)
         runner = ModelRunner(config, tp)
         self._send(WorkerReady(self.rank, runner.num_blocks, runner.max_model_len,
                                str(runner.device), runner.attention.name,
                                runner.model_config.vocab_size,
                                str(runner.dtype).removeprefix("torch."),
-                               runner.weights_summary, runner.sliding_windows))
+                               runner.weights_summary, runner.sliding_windows,
+                               self.host.description if self.host else ""))
         return runner
 
     def _serve(self, runner: ModelRunner) -> int:
@@ -111,7 +113,13 @@ class WorkerProc:
                 return 0
             if isinstance(message, SchedulerOutput):  # (a WorkerPing needs nothing)
                 self.current_step = message.step
+                if self.host is not None:
+                    self.host.before_step()
+                start = time.perf_counter()
                 output: ModelRunnerOutput = runner.execute_model(message)
+                if self.host is not None:
+                    self.host.after_step(message.total_num_scheduled_tokens,
+                                         time.perf_counter() - start)
                 if self.rank == 0:
                     self._send(output)
 
@@ -131,18 +139,6 @@ class WorkerProc:
                 return self.decoder.decode(self.socket.recv())
             except ProtocolError as e:
                 logger.warning("worker_%d dropped a frame: %s", self.rank, e)
-
-
-def _num_threads(configured: int | None, world: int) -> int:
-    """As configured; else OMP_NUM_THREADS when the environment sets it (as a test runner or a
-    shared host does); else this machine's cores divided among the ranks (of every
-    data-parallel replica)."""
-    if configured:
-        return configured
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, (os.cpu_count() or 1) // world)
 
 
 def main(argv: list[str] | None = None) -> int:

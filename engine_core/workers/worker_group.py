@@ -99,7 +99,7 @@ class WorkerGroup:
         self.started = True
         logger.info("workers ready: %s", ", ".join(
             f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend}, {m.dtype}, "
-            f"{m.quantization})"
+            f"{m.quantization}){'; ' + m.host if m.host else ''}"
             for r, m in sorted(ready.items())))
         return WorkerCapacity(min(m.num_blocks for m in ready.values()),
                               min(m.max_model_len for m in ready.values()),

@@ -14,11 +14,13 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message, rendered with the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Sampling flags left out take the model's generation_config.json defaults
+    # (--generation-config), else greedy decoding and 64 tokens.
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
     p.add_argument("--stop", action="append")
     p.add_argument("--ignore-eos", action="store_true")
     add_engine_args(p)
@@ -26,12 +28,15 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     from launch import LLM, SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            stop=args.stop, ignore_eos=args.ignore_eos)
+    given = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p",
+                                                    "top_k", "min_p")
+             if getattr(args, name) is not None}
     start = time.perf_counter()
     with LLM(args.model, **engine_kwargs(args)) as llm:
         ready = time.perf_counter()
+        params = SamplingParams(**{"max_tokens": 64, "temperature": 0.0,
+                                   **llm.inputs.sampling_defaults, **given},
+                                stop=args.stop, ignore_eos=args.ignore_eos)
         run = llm.chat if args.chat else llm.generate
         prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat \
             else args.prompt
@@ -116,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(worker)
     _replay_parser(sub)
     _journal_parser(sub)
-    from launch.cli import model_commands
+    from launch.cli import kernels, model_commands
     model_commands.add_parsers(sub)
+    kernels.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "worker":
         from worker.worker_proc import run_worker
@@ -131,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             return journal(args)
         if args.command in ("download", "convert"):
             return model_commands.run(args)
+        if args.command == "kernels":
+            return kernels.run(args)
         if args.command == "serve":
             from launch.cli.serve import serve
             return serve(args)

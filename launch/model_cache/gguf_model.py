@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from launch.model_cache.gguf import GGUFConversionError, save_tokenizer
+from launch.model_cache.progress import progress_bar
 from worker.models.gguf_checkpoint import GGUFCheckpoint, GGUFFileError
 
 MARKER = "deltaserve-gguf.json"
@@ -27,11 +28,28 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None) -> str:
+def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None,
+                     progress: bool = True) -> str:
     """Write the config and tokenizer of `gguf_file` into `out_dir` (created if needed);
     config.json names the file as `gguf_name` (a path relative to `out_dir`, e.g. when the
-    file sits inside it) or its absolute path. GGUFFileError for a file that cannot run."""
-    checkpoint = GGUFCheckpoint(gguf_file)  # checks the whole file's layout
+    file sits inside it) or its absolute path. GGUFFileError for a file that cannot run.
+    A bar of its three steps on a terminal."""
+    with progress_bar(progress, total=3, desc="converting", unit="step") as bar:
+        bar.set_postfix_str("tensors")
+        checkpoint = GGUFCheckpoint(gguf_file)  # checks the whole file's layout
+        bar.update()
+        bar.set_postfix_str("config")
+        _write_config(gguf_file, checkpoint, out_dir, gguf_name)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        save_tokenizer(gguf_file, out_dir)
+        bar.update()
+    return out_dir
+
+
+def _write_config(gguf_file: str, checkpoint: GGUFCheckpoint, out_dir: str,
+                  gguf_name: str | None) -> None:
+    """config.json and generation_config.json, from the file's metadata."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local file: nothing to ask a hub
     from transformers import AutoConfig, GenerationConfig
     directory, name = os.path.split(os.path.abspath(gguf_file))
@@ -45,8 +63,6 @@ def materialize_gguf(gguf_file: str, out_dir: str, gguf_name: str | None = None)
         json.dump(hf, f, indent=2, sort_keys=True)
         f.write("\n")
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    save_tokenizer(gguf_file, out_dir)
-    return out_dir
 
 
 def _config_dict(config: Any, checkpoint: GGUFCheckpoint, gguf_name: str) -> dict[str, Any]:

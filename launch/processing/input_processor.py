@@ -53,7 +53,8 @@ class ProcessedInput:
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, stop_token_ids: list[int], ready: EngineReady,
                  model: str, max_logprobs: int = 20,
-                 grammars: GrammarValidator | None = None) -> None:
+                 grammars: GrammarValidator | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids  # [EOS, other end-of-generation ids...]
         self.eos_token_id = stop_token_ids[0] if stop_token_ids else None
@@ -63,6 +64,8 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         # Checks constraints (None: llguidance without a tokenizer, on the calling thread).
         self.grammars = grammars
+        # SamplingParams fields a request gets where it sets none (generation_config.json)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._codec = Codec(Channel.FRONTEND_TO_CORE)
         # A text longer than this cannot tokenize into max_model_len tokens (unless the
         # tokenizer's normalizer drops characters): it is refused before tokenizing.
@@ -159,10 +162,11 @@ class InputProcessor:
         return request
 
 
-def per_prompt(params: Any, count: int) -> list[Any]:
-    """One SamplingParams per prompt (a single one, or None for defaults, applies to all)."""
+def per_prompt(params: Any, count: int, defaults: dict[str, Any] | None = None) -> list[Any]:
+    """One SamplingParams per prompt (a single one, or None for the model's `defaults`,
+    applies to all)."""
     if params is None:
-        return [SamplingParams()] * count
+        return [SamplingParams(**(defaults or {}))] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, Sequence) or isinstance(params, (str, bytes, dict)):

@@ -31,7 +31,7 @@ from worker.native.library import (
     PTR,
     U64,
     UNAVAILABLE,
-    build_library,
+    NativeLibrary,
     entry_point,
 )
 
@@ -40,6 +40,7 @@ logger = logging.getLogger("deltaserve")
 ENV_SWITCH = "DELTASERVE_SHM_ALLREDUCE"
 SLOT_BYTES = 8 << 20  # per rank and parity: a [3600, 576] float32 decode step fits
 SHM_DIR = "/dev/shm"
+LIBRARY = NativeLibrary("shm-all-reduce", "shm_all_reduce.cpp")
 # base, slot_bytes, rank, world, seq, dtype, x, numel, timeout_s
 _ARGS = [PTR, I64, I32, I32, U64, I32, PTR, I64, F64]
 
@@ -50,8 +51,7 @@ class ShmAllReduce:
         self._map = mmap.mmap(fd, _segment_bytes(world))
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._seq = 0
-        library = build_library("shm-all-reduce",
-                                                   ("shm_all_reduce.cpp", "cpu_dtypes.h"))
+        library = LIBRARY.path()
         self._kernel = entry_point(library, "shm_all_reduce", _ARGS)
 
     @classmethod

@@ -3,7 +3,9 @@
 // costs a process wake-up per call (worker/shm_all_reduce.py).
 //
 // Segment layout (every rank maps the same bytes; a fresh segment is all zeros):
-//   flags  [world] uint64, one per 64-byte line: the last sequence number rank r published
+//   flags  [world] 64-byte lines: at +0 uint64, the last sequence number rank r published;
+//          at +8 uint32, how many peers sleep waiting for it (their futex word is the low 32
+//          bits of that sequence number, which every publish changes)
 //   slots  [world][2][slot_bytes]: rank r's input for calls of sequence parity 0 and 1
 // A call with sequence number seq (1, 2, ... in call order, the same on every rank):
 //   1. copy the input into its own slot of parity seq % 2; publish flags[rank] = seq (release)
@@ -12,10 +14,16 @@
 //      caller's tensor: every rank computes the same bits.
 // Reuse is safe with two parities: a rank overwrites its parity-p slot at seq + 2 only after
 // every peer published seq + 1, which a peer does only after it finished reading seq.
-// Waiting spins briefly, then yields the core (the peer may be descheduled on a busy host);
-// after timeout_s it gives up with status 1 (a peer died or hung).
-#include <sched.h>
+// Waiting spins briefly (~0.1 ms: a peer on another core arrives within that on a quiet host),
+// then sleeps on a futex until the peer publishes: a peer descheduled by a neighbour on a
+// busy host gets the core back instead of a rank spinning or yielding beside it (yielding
+// keeps the core busy, so the scheduler has no idle core to move the late peer to). A
+// publisher wakes only when someone sleeps (no syscall on a quiet host). After timeout_s
+// it gives up with status 1 (a peer died or hung).
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -26,7 +34,7 @@
 namespace {
 
 constexpr int64_t FLAG_STRIDE = 64 / sizeof(uint64_t);  // one cache line per flag
-constexpr int SPINS_BEFORE_YIELD = 4000;
+constexpr int SPINS_BEFORE_SLEEP = 4000;
 constexpr int MAX_WORLD = 64;
 
 int64_t header_bytes(int world) { return world * 64; }
@@ -34,6 +42,33 @@ int64_t header_bytes(int world) { return world * 64; }
 std::atomic<uint64_t>* flag(void* base, int r) {
     return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint64_t*>(base) +
                                                      r * FLAG_STRIDE);
+}
+
+std::atomic<uint32_t>* sleepers(void* base, int r) {
+    return reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base) + r * 64 + 8);
+}
+
+// FUTEX_WAIT/WAKE on a word of the shared segment (not FUTEX_PRIVATE: other processes).
+long futex(void* word, int op, uint32_t value, const timespec* timeout) {
+    return syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
+}
+
+// Sleep until rank r's sequence number is no longer `seen` (or 1 ms passed: the caller
+// rechecks its deadline). Registering as a sleeper before rereading the flag pairs with the
+// publisher's store before reading the sleepers (both sequentially consistent), so either
+// this thread sees the new number or the publisher sees a sleeper and wakes it.
+void sleep_on(void* base, int r, uint64_t seq) {
+    static const timespec slice{0, 1000000};
+    sleepers(base, r)->fetch_add(1, std::memory_order_seq_cst);
+    const uint64_t seen = flag(base, r)->load(std::memory_order_seq_cst);
+    if (seen < seq) futex(flag(base, r), FUTEX_WAIT, static_cast<uint32_t>(seen), &slice);
+    sleepers(base, r)->fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void publish(void* base, int rank, uint64_t seq) {
+    flag(base, rank)->store(seq, std::memory_order_seq_cst);
+    if (sleepers(base, rank)->load(std::memory_order_seq_cst))
+        futex(flag(base, rank), FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
 char* slot(void* base, int world, int64_t slot_bytes, int r, uint64_t seq) {
@@ -50,13 +85,13 @@ bool wait_for_peers(void* base, int world, uint64_t seq, double timeout_s) {
     double deadline = 0.0;
     for (int r = 0; r < world; ++r) {
         for (int spins = 0; flag(base, r)->load(std::memory_order_acquire) < seq; ++spins) {
-            if (spins < SPINS_BEFORE_YIELD) {
+            if (spins < SPINS_BEFORE_SLEEP) {
                 __builtin_ia32_pause();
                 continue;
             }
             if (deadline == 0.0) deadline = now_s() + timeout_s;
             if (now_s() > deadline) return false;
-            sched_yield();
+            sleep_on(base, r, seq);
         }
     }
     return true;
@@ -83,7 +118,7 @@ int shm_all_reduce(void* base, int64_t slot_bytes, int rank, int world, uint64_t
     if (dtype < 0 || dtype > 2 || world < 1 || world > MAX_WORLD || rank < 0 || rank >= world || seq == 0) return 2;
     if (numel * sizes[dtype] > slot_bytes) return 3;
     std::memcpy(slot(base, world, slot_bytes, rank, seq), data, numel * sizes[dtype]);
-    flag(base, rank)->store(seq, std::memory_order_release);
+    publish(base, rank, seq);
     if (!wait_for_peers(base, world, seq, timeout_s)) return 1;
     switch (dtype) {
         case 0: sum_slots(base, world, slot_bytes, seq, static_cast<float*>(data), numel); break;

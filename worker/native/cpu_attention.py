@@ -6,10 +6,9 @@ import ctypes
 import functools
 from pathlib import Path
 
-from worker.native.library import F32, I32, I64, PTR, build_library, entry_point
+from worker.native.library import F32, I32, I64, PTR, NativeLibrary, entry_point
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_simd.h",
-           "cpu_paged_attention_simd.h", "cpu_paged_attention_rows.h", "cpu_paged_attention_tile.h")
+LIBRARY = NativeLibrary("cpu-paged-attention", "cpu_paged_attention.cpp")
 # dtype, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
 # query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out, num_heads,
 # num_kv_heads, head_dim, block_size, scale, num_threads, sliding_window
@@ -19,7 +18,7 @@ ARGTYPES = [I32, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR
 
 def build(march: str = "native") -> Path:
     """The library's path (compiles unless the cache holds this source/flags/CPU)."""
-    return build_library("cpu-paged-attention", SOURCES, march=march)
+    return LIBRARY.path(march)
 
 
 @functools.cache

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from worker.native import cpu_attention, gguf_ops
 from worker.native.cpu_ops import native_ops
-from worker.native.library import I32, PTR, UNAVAILABLE, build_library, entry_point
+from worker.native.library import I32, PTR, UNAVAILABLE, NativeLibrary, entry_point
 
 logger = logging.getLogger("deltaserve")
 
+LIBRARY = NativeLibrary("cpu-decoder", "cpu_decoder.cpp")
 MAX_SEGMENTS = 4  # cpu_decoder.cpp's
 MAX_GROUPS = 8  # likewise: KV layer groups
 # The most token rows a call takes (the scratch rows a loop allocates): decode batches and
@@ -86,7 +87,7 @@ def load() -> NativeDecoder | None:
     if ops is None or gguf is None:
         return None
     try:
-        library = build_library("cpu-decoder", ("cpu_decoder.cpp",))
+        library = LIBRARY.path()
         attention = cpu_attention.load()
     except UNAVAILABLE as e:
         logger.warning("native decoder loop unavailable, using the Python layer loop: %s", e)

@@ -22,17 +22,16 @@ from worker.native.library import (
     I64,
     PTR,
     UNAVAILABLE,
-    build_library,
+    NativeLibrary,
     entry_point,
 )
 
 logger = logging.getLogger("deltaserve")
 
 ENABLED = os.environ.get("DELTASERVE_CPU_OPS", "1") != "0"
-SOURCES = ("cpu_ops.cpp", "cpu_dtypes.h", "cpu_exp.h")
 # No FMA contraction (round like the torch reference); no trapping math (lets floor in the
 # exponential vectorize).
-EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
+LIBRARY = NativeLibrary("cpu-ops", "cpu_ops.cpp", ("-ffp-contract=off", "-fno-trapping-math"))
 
 # in_dtype, out_dtype, out, out_stride, x, x_stride, residual, residual_stride, weight,
 # num_tokens, hidden, eps, num_threads
@@ -61,7 +60,7 @@ class CpuOps:
     """Bound entry points of the compiled library; every tensor must be on the CPU."""
 
     def __init__(self) -> None:
-        library = build_library("cpu-ops", SOURCES, EXTRA_FLAGS)
+        library = LIBRARY.path()
         self._norm = entry_point(library, "cpu_rms_norm", _NORM_ARGS)
         self._silu = entry_point(library, "cpu_silu_and_mul", _SILU_ARGS)
         self._gelu = entry_point(library, "cpu_gelu_tanh_and_mul", _SILU_ARGS)

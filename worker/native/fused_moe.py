@@ -20,13 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from worker.native import gguf_ops
-from worker.native.library import I32, I64, PTR, UNAVAILABLE, build_library, entry_point
+from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
 
 logger = logging.getLogger("deltaserve")
 
-SOURCES = ("fused_moe.cpp", "cpu_dtypes.h", "cpu_exp.h", "cpu_simd.h", "gguf_blocks.h",
-           "gguf_gemv.h", "gguf_gemm.h", "gguf_drive.h", "dense_blocks.h",
-           "fused_moe_grouped.h")
+LIBRARY = NativeLibrary("fused-moe", "fused_moe.cpp")  # prebuilt before a worker is ready
 # GGML's codes of the dense types the kernel reads (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
@@ -153,8 +151,7 @@ def experts_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
 @functools.cache
 def load(march: str = "native") -> ctypes._CFuncPtr:
     """The kernel's entry point built for `march` (raises one of UNAVAILABLE)."""
-    return entry_point(build_library("fused-moe", SOURCES, march=march), "fused_moe_forward",
-                       _FORWARD_ARGS)
+    return entry_point(LIBRARY.path(march), "fused_moe_forward", _FORWARD_ARGS)
 
 
 @functools.cache

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.native.library import I32, I64, PTR, UNAVAILABLE, build_library, entry_point
+from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
 
 logger = logging.getLogger("deltaserve")
 
-SOURCES = ("gguf_matmul.cpp", "cpu_dtypes.h", "cpu_simd.h", "gguf_blocks.h", "gguf_gemv.h",
-           "gguf_gemm.h", "gguf_drive.h")
+LIBRARY = NativeLibrary("gguf-matmul", "gguf_matmul.cpp")
 # qtype, w, w_stride, x, x_stride, y, y_stride, m, n, k, accumulate, num_threads
 _MATMUL_ARGS = [I32, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I32, I32]
 # qtype, w, w_stride, out, out_stride, n, k
@@ -91,10 +90,10 @@ def weight_rows(qweight: torch.Tensor, t: GgufType, n: int, k: int) -> torch.Ten
 
 
 class GgufOps:
-    """Bound entry points of one build of the library (`march` as in build_library)."""
+    """Bound entry points of one build of the library (`march` as in library.march_flags)."""
 
     def __init__(self, march: str = "native") -> None:
-        library = build_library("gguf-matmul", SOURCES, march=march)
+        library = LIBRARY.path(march)
         self._matmul = entry_point(library, "gguf_matmul", _MATMUL_ARGS)
         self._dequantize = entry_point(library, "gguf_dequantize", _DEQUANTIZE_ARGS)
         self.simd_width: int = entry_point(library, "gguf_simd_width", [])()

@@ -1,5 +1,9 @@
-"""The project's C++ libraries (worker/kernels/*.cpp): compiled with the system C++ compiler
-on first use, cached on disk (worker/native/build.py), bound through ctypes.
+"""The project's C++ libraries (worker/kernels/*.cpp): compiled with the system C++ compiler,
+cached on disk (worker/native/build.py), bound through ctypes.
+
+Each library is declared once, at import, as a `NativeLibrary` (its tag, translation unit and
+extra flags); the declarations form the registry `LIBRARIES` that `worker.native.prebuild`
+compiles before a worker reports ready, so no step ever waits on a compiler.
 
 Each library is linked against `libgomp.so.1`, the soname of the OpenMP runtime torch ships
 and loads first, so the dynamic loader binds it to torch's copy: a kernel's parallel region
@@ -9,7 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,15 +23,16 @@ import torch
 from worker.native import build
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-CXX_FLAGS = ("-std=c++20", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-             "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=fast", "-Wall", "-Wextra",
-             "-Werror")
+# Every library's flags, then march_flags(march), then its own.
+CXX_FLAGS = ("-std=c++20", "-O3", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
+             "-fno-math-errno", "-ffp-contract=fast", "-Wall", "-Wextra", "-Werror")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_dtypes.h's codes
 # ctypes argument types of the entry points.
 PTR, I64, I32, F32, F64, U64 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
                                 ctypes.c_double, ctypes.c_uint64)
 # What loading a library can raise where it cannot be had here (callers fall back to torch).
 UNAVAILABLE = (build.CompilerUnavailable, build.NativeBuildError, OSError)
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def cache_dir() -> Path:
@@ -33,16 +40,80 @@ def cache_dir() -> Path:
                                "~/.cache/deltaserve/cpu-kernels")).expanduser()
 
 
+@dataclass(frozen=True)
+class NativeLibrary:
+    """A library of KERNEL_DIR: `source` is its translation unit (the headers it includes
+    with quotes are found and keyed automatically), `extra_flags` follow CXX_FLAGS.
+    Constructing one registers it in LIBRARIES (one per tag)."""
+
+    tag: str
+    source: str
+    extra_flags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        known = LIBRARIES.setdefault(self.tag, self)
+        if known != self:
+            raise ValueError(f"native library {self.tag!r} is declared twice, differently")
+
+    def path(self, march: str = "native") -> Path:
+        """The built library (compiles unless the cache holds this source/flags/CPU). A
+        source the compiler rejected is not compiled again by this process."""
+        failure = _FAILURES.get((self.tag, march))
+        if failure is not None:
+            raise failure
+        try:
+            return build.cached_library(*self._build_args(march), cache_dir(), self.tag)
+        except build.NativeBuildError as e:
+            _FAILURES[self.tag, march] = e
+            raise
+
+    def is_built(self, march: str = "native") -> bool:
+        return build.library_target(*self._build_args(march), cache_dir(), self.tag).exists()
+
+    def _build_args(self, march: str) -> tuple[str, list[Path], list[str]]:
+        text = f'#include "{self.source}"\n'
+        return text, local_includes(self.source), compile_flags(self.extra_flags, march)
+
+
+LIBRARIES: dict[str, NativeLibrary] = {}
+_FAILURES: dict[tuple[str, str], build.NativeBuildError] = {}
+
+
+def march_flags(march: str = "native") -> list[str]:
+    """`-march=<march>`; for native, without the AMX extensions (build.no_amx_flags).
+    Another `march` builds a portable variant (tests build x86-64-v3 and x86-64 to check the
+    AVX2 and baseline SIMD paths on an AVX-512 host)."""
+    if march != "native":
+        return [f"-march={march}"]
+    return ["-march=native", *build.no_amx_flags(build.native_macros(build.compiler()))]
+
+
+def compile_flags(extra_flags: Sequence[str] = (), march: str = "native",
+                  include_dir: Path = KERNEL_DIR) -> list[str]:
+    return [*CXX_FLAGS, *march_flags(march), *extra_flags, f"-I{include_dir}"]
+
+
+def local_includes(source: str) -> list[Path]:
+    """`source` and every file of KERNEL_DIR it includes with quotes, transitively, in a
+    stable order."""
+    seen: dict[str, Path] = {}
+    pending = [source]
+    while pending:
+        name = pending.pop()
+        path = KERNEL_DIR / name
+        if name in seen or not path.is_file():
+            continue
+        seen[name] = path
+        pending += _LOCAL_INCLUDE.findall(path.read_text())
+    return [seen[name] for name in sorted(seen)]
+
+
 def build_library(tag: str, sources: Sequence[str], extra_flags: Sequence[str] = (),
                   march: str = "native") -> Path:
-    """The path of the library compiled from `sources` in KERNEL_DIR (the first is the
-    translation unit, the rest what it includes); compiles unless the cache holds it.
-    `march` other than native builds a portable variant (tests build x86-64-v3 and x86-64 to
-    check the AVX2 and baseline SIMD paths on an AVX-512 host)."""
-    text = f'#include "{KERNEL_DIR / sources[0]}"\n'
-    flags = [f if f != "-march=native" else f"-march={march}" for f in CXX_FLAGS]
-    return build.cached_library(text, [KERNEL_DIR / s for s in sources],
-                                [*flags, *extra_flags, f"-I{KERNEL_DIR}"], cache_dir(), tag)
+    """The path of the library `tag` compiled from `sources[0]` in KERNEL_DIR (what it
+    includes is found by local_includes; the rest of `sources` is accepted for callers that
+    list headers); registers it like a NativeLibrary declaration."""
+    return NativeLibrary(tag, sources[0], tuple(extra_flags)).path(march)
 
 
 def entry_point(library: Path, name: str, argtypes: Sequence[type],

@@ -151,11 +151,14 @@ async def _read_capped(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None,
+def sampling_params(body: _Sampling, defaults: dict[str, Any] | None = None, *,
+                    model_defaults: dict[str, Any] | None = None,
                     **overrides: Any) -> SamplingParams:
-    """SamplingParams from the fields the body sets (null means "not set") over the route's
-    `defaults`; a ValueError from its validation becomes a 400 with the same message."""
-    values = dict(defaults or {})
+    """SamplingParams from the fields the body sets (null means "not set") over the model's
+    `model_defaults` (its generation_config.json, launch/processing/sampling_defaults.py)
+    over the route's `defaults`; a ValueError from its validation becomes a 400 with the
+    same message."""
+    values = {**(defaults or {}), **(model_defaults or {})}
     values.update({name: v for name in SAMPLING_FIELDS if (v := getattr(body, name)) is not None})
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:

@@ -84,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             plan = plan_chat(body, self.template, self.parsers,
                              self.engine.inputs.max_prompt_chars, self.check_constraint)
             params = sampling_params(
-                body, {"max_tokens": max_tokens},
+                body, {"max_tokens": max_tokens}, model_defaults=self.sampling_defaults,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 structured_outputs=plan.constraint and plan.constraint.params)
             answers.append(plan.answers)

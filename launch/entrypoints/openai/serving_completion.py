@@ -41,7 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo")
         constraint = constraint_of(body)
-        params = sampling_params(body, logprobs=body.logprobs,
+        params = sampling_params(body, model_defaults=self.sampling_defaults,
+                                 logprobs=body.logprobs,
                                  structured_outputs=constraint and constraint.params)
         prompts = completion_prompts(body.prompt)
         if len(prompts) * params.n > MAX_SEQUENCES:

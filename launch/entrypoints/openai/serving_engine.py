@@ -51,6 +51,8 @@ class OpenAIServing:
         self.model_names = served_model_names
         self.model_name = served_model_names[0]  # the name responses report
         self.input_executor = input_executor  # one thread: tokenizing and templates
+        # what a body leaves unset gets (the model's generation_config.json)
+        self.sampling_defaults = engine.inputs.sampling_defaults
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

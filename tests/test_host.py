@@ -1,0 +1,252 @@
+"""The host a CPU worker runs on (worker/host/): threads from the affinity mask and the cgroup
+quota divided among the ranks, vLLM's VLLM_CPU_OMP_THREADS_BIND, the team sized to the
+cores other processes leave free, and AMX only where Linux grants it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protocol import EngineConfig
+from worker.host import amx
+from worker.host.setup import ranks_on_this_host
+from worker.host.team_size import (
+    LoadMeter,
+    TeamSizer,
+    engine_pids,
+    read_sample,
+    team_size,
+)
+from worker.host.threads import (
+    BIND_ENV,
+    cgroup_cpu_quota,
+    format_cpu_list,
+    parse_cpu_list,
+    plan_threads,
+)
+
+FOUR = {0, 1, 2, 3}
+
+
+def test_threads_follow_the_mask_and_are_divided_among_ranks():
+    plan = plan_threads(None, 1, 0, env={}, cpus=FOUR, read_quota=False)
+    assert (plan.num_threads, plan.adaptive, plan.bind) == (4, True, None)
+    assert plan.describe() == "4 threads (4 CPUs in the affinity mask)"
+    plan = plan_threads(None, 3, 2, env={}, cpus=FOUR, read_quota=False)
+    assert plan.num_threads == 1 and "/ 3 ranks on this host" in plan.reason
+    assert plan_threads(None, 8, 0, env={}, cpus={0}, read_quota=False).num_threads == 1
+
+
+def test_a_cgroup_quota_caps_the_threads_rounded_up():
+    assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=1.5).num_threads == 2
+    assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=2.0).num_threads == 2
+    assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=0.2).num_threads == 1
+    plan = plan_threads(None, 2, 0, env={}, cpus=FOUR, quota=3.0)
+    assert plan.num_threads == 1  # min(4, 3) CPUs over 2 ranks
+    assert plan.reason == ("4 CPUs in the affinity mask, cgroup quota 3 CPUs / 2 ranks on "
+                           "this host")
+
+
+def test_what_the_user_sets_wins_and_is_not_adapted():
+    assert plan_threads(3, 2, 0, env={"OMP_NUM_THREADS": "1"}, cpus=FOUR) == \
+        plan_threads(3, 1, 0, env={}, cpus={0})
+    plan = plan_threads(3, 2, 0, env={"OMP_NUM_THREADS": "1"}, cpus=FOUR)
+    assert (plan.num_threads, plan.reason, plan.adaptive) == (3, "--num-threads", False)
+    plan = plan_threads(None, 2, 0, env={"OMP_NUM_THREADS": "1"}, cpus=FOUR)
+    assert (plan.num_threads, plan.reason, plan.adaptive) == (1, "$OMP_NUM_THREADS", False)
+
+
+def test_vllm_bind_lists_pin_each_rank():
+    env = {BIND_ENV: "0-1|2,3", "OMP_NUM_THREADS": "7"}
+    first, second = (plan_threads(None, 2, i, env=env, cpus=FOUR) for i in (0, 1))
+    assert (first.num_threads, first.bind, second.bind) == (2, (0, 1), (2, 3))
+    assert first.describe() == f"2 threads ({BIND_ENV}, pinned to CPUs 0-1)"
+    for unbound in ("auto", "all", "nobind", ""):
+        assert plan_threads(None, 1, 0, env={BIND_ENV: unbound}, cpus=FOUR,
+                            read_quota=False).bind is None
+    with pytest.raises(ValueError, match="local rank 2"):
+        plan_threads(None, 3, 2, env=env, cpus=FOUR)
+    for bad in ("0-x", "1,1", ""):
+        with pytest.raises(ValueError, match=BIND_ENV):
+            parse_cpu_list(bad)
+    assert parse_cpu_list(" 0-2, 8,10-11") == [0, 1, 2, 8, 10, 11]
+    assert format_cpu_list([11, 0, 1, 2, 8, 10]) == "0-2,8,10-11"
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
+    _write(tmp_path / "proc", "0::/machine/job\n")
+    _write(tmp_path / "fs/cpu.max", "max 100000\n")
+    _write(tmp_path / "fs/machine/cpu.max", "300000 100000\n")
+    _write(tmp_path / "fs/machine/job/cpu.max", "150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") == 1.5
+    _write(tmp_path / "fs/machine/job/cpu.max", "max 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") == 3.0
+
+
+def test_cgroup_v1_quota_and_none(tmp_path):
+    _write(tmp_path / "proc", "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    _write(tmp_path / "fs/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "50000\n")
+    _write(tmp_path / "fs/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") == 0.5
+    _write(tmp_path / "fs/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") is None
+    # a container sees its own cgroup as the root: the host's path is missing under the mount
+    _write(tmp_path / "proc", "3:cpu,cpuacct:/docker/elsewhere\n")
+    _write(tmp_path / "fs/cpu,cpuacct/cpu.cfs_quota_us", "200000\n")
+    _write(tmp_path / "fs/cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") == 2.0
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "missing") is None
+
+
+def test_this_host_has_a_plan():
+    plan = plan_threads(None, 1, 0, env={})
+    assert 1 <= plan.num_threads <= len(os.sched_getaffinity(0))
+
+
+def test_ranks_on_this_host():
+    config = EngineConfig(model="m", tensor_parallel_size=4)
+    assert [ranks_on_this_host(config, r) for r in range(4)] == [(4, r) for r in range(4)]
+    split = EngineConfig(model="m", tensor_parallel_size=4, local_ranks=[0, 1],
+                         worker_address="tcp://127.0.0.1:5000", worker_secret_file="s")
+    assert ranks_on_this_host(split, 1) == (2, 1)
+    assert ranks_on_this_host(split, 3) == (2, 1)  # joined from another host with rank 2
+    dp = EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2,
+                      data_parallel_rank=1)
+    assert ranks_on_this_host(dp, 1) == (4, 3)
+
+
+class FakeLoad(LoadMeter):
+    """Other processes use `others` CPUs of two; a new window every call."""
+
+    def update(self, now: float) -> bool:
+        return True
+
+
+class Host:
+    def __init__(self, others: float, step_s: dict[int, float]) -> None:
+        self.now = 0.0
+        self.load = FakeLoad(frozenset({0, 1}), others=others)
+        self.step_s = step_s  # team size -> seconds per step
+        self.sizer = TeamSizer(2, self.load, trial_steps=4, backoff_s=1.0,
+                               max_backoff_s=8.0, clock=lambda: self.now)
+        self.sizes: list[int] = []
+
+    def steps(self, n: int, rows: int = 1) -> None:
+        for _ in range(n):
+            self.sizer.before_step()
+            size = self.sizer.size
+            self.sizes.append(size)
+            self.now += self.step_s[size]
+            self.sizer.after_step(rows, self.step_s[size])
+
+
+def test_a_quiet_host_tries_nothing():
+    host = Host(0.1, {2: 0.005, 1: 0.008})
+    host.steps(200)
+    assert set(host.sizes) == {2} and host.sizer.current == 2
+
+
+def test_beside_a_neighbour_one_thread_is_tried_and_kept():
+    host = Host(1.0, {2: 0.05, 1: 0.01})  # the pair collapses
+    host.steps(40)
+    assert host.sizes[:4] == [2] * 4 and host.sizes[4:9] == [1] * 5  # a trial of 5 steps
+    assert host.sizer.current == 1 and set(host.sizes[9:]) == {1}
+    host.load.others = 1.0
+    host.step_s[2] = 0.004  # the neighbour turned bursty: the pair is faster again
+    host.steps(2000)  # ~8 s: the planned size is tried again, and wins
+    assert host.sizer.current == 2
+
+
+def test_a_losing_trial_backs_off():
+    host = Host(1.0, {2: 0.005, 1: 0.008})  # busy, yet the pair stays faster
+    host.steps(12)
+    assert host.sizes[4:9] == [1] * 5 and host.sizes[9:] == [2] * 3
+    assert host.sizer.current == 2
+    host.steps(3000)  # 15 s: trials at 0, 1, 3, 7 and 15 s (backing off 1, 2, 4, 8 s)
+    trials = [i for i in range(1, len(host.sizes)) if host.sizes[i] == 1 != host.sizes[i - 1]]
+    assert 4 <= len(trials) <= 5 and host.sizer.current == 2
+
+
+def test_a_neighbour_arriving_ends_the_backoff():
+    host = Host(0.6, {2: 0.005, 1: 0.008})  # some load, the pair faster: trials lose
+    host.steps(700)  # 3.5 s: backing off 1, 2, 4 s
+    assert host.sizer.current == 2
+    host.load.others, host.step_s[2] = 1.1, 0.05  # a CPU-bound neighbour: the pair collapses
+    host.steps(10)
+    assert host.sizer.current == 1  # at once, not after the 4 s backoff
+
+
+def test_steps_of_another_shape_give_no_verdict():
+    host = Host(1.0, {2: 0.05, 1: 0.01})
+    host.steps(6, rows=1)
+    host.steps(5, rows=32)  # the trial's steps are prefill-sized: nothing to compare with
+    assert host.sizer.current == 2 and host.sizer.trial is None
+    assert team_size(2 - 0.3, 2) == 2 and team_size(2 - 0.7, 2) == 1
+    assert team_size(0.0, 4) == 1 and team_size(9.0, 4) == 4
+
+
+def test_the_load_meter_counts_other_processes():
+    samples = iter([(0.0, 0.0, 0.0), (0.5, 0.9, 0.4)])  # 0.9 CPU s busy, 0.4 of them ours
+    meter = LoadMeter(frozenset({0, 1}), interval_s=0.25,
+                      sample=lambda cpus, ours: next(samples))
+    assert meter.update(0.0) is False  # the first sample
+    assert meter.update(0.1) is False  # within the window: nothing read
+    assert meter.update(0.5) is True and meter.others == pytest.approx(1.0)
+
+
+def test_samples_of_this_host_are_consistent():
+    cpus = frozenset(os.sched_getaffinity(0))
+    t0, busy0, own0 = read_sample(cpus)
+    sum(i * i for i in range(300_000))
+    t1, busy1, own1 = read_sample(cpus, engine_pids())
+    assert t1 > t0 and busy1 >= busy0 and own1 >= own0
+    assert os.getppid() in engine_pids() and 1 not in engine_pids()
+
+
+def test_amx_is_used_only_where_granted():
+    asked = []
+
+    def request(answer: bool):
+        return lambda: asked.append(answer) or answer
+    assert amx.amx_state({"avx512f"}, request(True)) == "absent" and asked == []
+    flags = {"avx512f", "amx_tile", "amx_int8", "amx_bf16"}
+    assert amx.amx_state(flags, request(False)) == "not granted"
+    assert amx.amx_state(flags, request(True)) == "granted"
+    assert "not used" in amx.describe("not granted") and "oneDNN" in amx.describe("granted")
+
+
+def test_asking_linux_for_amx_is_safe_here():
+    """The real arch_prctl request, in a child (a grant is per process): a bool, True only
+    on a CPU that has AMX."""
+    code = ("from worker.host import amx; from worker.host.cpuinfo import cpuinfo_flags; "
+            "granted = amx.request_tile_permission(); "
+            "assert granted in (True, False); "
+            "assert not granted or 'amx_tile' in cpuinfo_flags(); print(granted)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout
+    assert out.strip() in ("True", "False")
+
+
+def test_bfloat16_counts_amx_only_when_granted(monkeypatch):
+    import torch
+
+    from worker import device
+    device._detect.cache_clear()
+    monkeypatch.setattr(device, "cpuinfo_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    try:
+        monkeypatch.setattr(device.amx, "this_process", lambda: "not granted")
+        assert device._detect(torch.bfloat16) is False
+        device._detect.cache_clear()
+        monkeypatch.setattr(device.amx, "this_process", lambda: "granted")
+        assert device._detect(torch.bfloat16) is True
+    finally:
+        device._detect.cache_clear()

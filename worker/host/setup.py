@@ -1,0 +1,76 @@
+"""A CPU worker's start: its threads (and their pinning) as worker/host/threads.py plans
+them, the sizer that adapts the team to other processes' load (worker/host/team_size.py),
+and the line that says what was chosen and why."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.log_limiter import LogLimiter
+from protocol import EngineConfig
+from worker.host import amx, openmp
+from worker.host.team_size import LoadMeter, TeamSizer, engine_pids
+from worker.host.threads import ThreadPlan, plan_threads
+
+logger = logging.getLogger("deltaserve")
+ADAPTIVE_ENV = "DELTASERVE_ADAPTIVE_THREADS"
+
+
+@dataclass
+class HostSetup:
+    description: str  # for the workers-ready line
+    sizer: TeamSizer | None  # None: the team keeps its size
+    log: LogLimiter
+
+    def before_step(self) -> None:
+        """Start a trial of another team size if other processes' load suggests one."""
+        if self.sizer is not None:
+            self._resize(self.sizer.before_step())
+
+    def after_step(self, rows: int, seconds: float) -> None:
+        if self.sizer is not None and rows:
+            before = self.sizer.current
+            self._resize(self.sizer.after_step(rows, seconds))
+            if self.sizer.current != before:
+                self.log.info(f"{self.sizer.current} thread"
+                              f"{'s' * (self.sizer.current != 1)} of "
+                              f"{self.sizer.max_threads}: faster while other processes use "
+                              f"{self.sizer.load.others:.1f} of {len(self.sizer.load.cpus)} "
+                              "CPUs")
+
+    @staticmethod
+    def _resize(size: int | None) -> None:
+        if size is not None:
+            torch.set_num_threads(size)
+
+
+def ranks_on_this_host(config: EngineConfig, rank: int) -> tuple[int, int]:
+    """(how many worker ranks share this host, this rank's index among them): the ranks
+    the engine starts itself (all, or `local_ranks`) of every data-parallel replica; a rank
+    that joined from elsewhere counts the other joined ranks."""
+    world = config.tensor_parallel_size
+    local = list(range(world)) if config.local_ranks is None else sorted(config.local_ranks)
+    if rank not in local:
+        local = sorted(set(range(world)) - set(local))
+    replica = config.data_parallel_rank % config.data_parallel_size
+    return len(local) * config.data_parallel_size, replica * len(local) + local.index(rank)
+
+
+def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
+    """Set this process's threads; how the host was set up."""
+    plan: ThreadPlan = plan_threads(config.num_threads, *ranks_on_this_host(config, rank))
+    torch.set_num_threads(plan.num_threads)
+    if plan.bind:
+        from worker.native.cpu_threads import bind_threads
+        bind_threads(plan.bind)
+    sizer = None
+    if plan.adaptive and plan.num_threads > 1 and os.environ.get(ADAPTIVE_ENV, "1") != "0":
+        sizer = TeamSizer(plan.num_threads, LoadMeter(frozenset(os.sched_getaffinity(0)),
+                                                      ours=engine_pids()))
+    adapts = ", fewer while other processes use the CPUs" if sizer else ""
+    return HostSetup(f"{plan.describe()}{adapts}; {openmp.describe()}; "
+                     f"{amx.describe(amx.this_process())}", sizer,
+                     LogLimiter(logger, f"worker_{rank}", first=20, every=100))

@@ -1,0 +1,211 @@
+"""A CPU worker's team size, step by step: tried and kept by what the steps measure.
+
+Why not a fixed team with a wait policy: on a quiet host a team of threads spinning at its
+barriers (libgomp's default) is fastest, and a decode step crosses ~270 of them; sleeping at
+each (OMP_WAIT_POLICY=passive) costs a wake-up per barrier, ~40 us on a VM whose idle vCPU
+halts (SmolLM2 one stream: 0.4x the quiet speed). Beside a CPU-bound neighbour the spinning
+team collapses instead (0.2x): one teammate is descheduled, the other spins its slice away
+at the next barrier. A team of one has no barriers, so with a neighbour on one of two cores
+it runs on the other at its full one-thread speed (benchmarks/bench_contention.py). Which
+size wins depends on what the neighbours do (a bursty one may leave a spinning pair
+faster), so the steps decide:
+
+  * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
+    this process's CPUs (/proc/stat less this worker, its engine core and its front-end,
+    whose detokenizing is the same engine's work): `team_size(CPUs - that)` is the
+    size worth trying, and when it differs from the current one a trial starts;
+  * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
+    a thread, is not counted) and compares their median time with the steps just before it
+    (up to 32, of the same shape only: the same number of token rows). A smaller team must be
+    15 % faster to stay, a larger one no slower; a trial step twice as slow as the
+    reference ends the trial at once;
+  * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
+    unless the load rises by `RISE` CPUs over what it was then (a neighbour arrived); below
+    the planned size, the planned size is tried again after `regrow_s` (doubling up to
+    `max_backoff_s` while it loses): a neighbour may have left, or turned bursty.
+On a quiet host nothing is tried and nothing is spent.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+Sample = tuple[float, float, float]  # (wall s, busy CPU s on our CPUs, this process's CPU s)
+
+
+def _cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user + system) process `pid` has used; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def engine_pids() -> tuple[int, ...]:
+    """This worker's engine: its parent (the engine core) and grandparent (the front-end),
+    whose CPU is the same engine's pipeline, not a neighbour's (init excluded)."""
+    pids, pid = [], os.getpid()
+    for _ in range(2):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+        pids.append(pid)
+    return tuple(pids)
+
+
+def read_sample(cpus: frozenset[int], ours: tuple[int, ...] = ()) -> Sample:
+    """Now: monotonic seconds, CPU seconds spent busy on `cpus` since boot (all processes),
+    CPU seconds this process and the processes `ours` have used."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or name == "cpu":
+                continue
+            if int(name[3:]) in cpus:
+                ticks = [int(v) for v in rest.split()]
+                busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # all but idle and iowait
+    own = _cpu_seconds("self") + sum(_cpu_seconds(pid) for pid in ours)
+    return time.monotonic(), busy / CLOCK_TICK, own
+
+
+RISE = 0.4  # CPUs of other processes' load that end a losing trial's backoff
+
+
+def team_size(free_cores: float, max_threads: int) -> int:
+    return max(1, min(max_threads, round(free_cores)))
+
+
+@dataclass
+class LoadMeter:
+    """CPUs other processes used on `cpus` over the last window of `interval_s`."""
+
+    cpus: frozenset[int]
+    interval_s: float = 0.25
+    ours: tuple[int, ...] = ()  # processes of this engine whose CPU is not "others"
+    sample: Callable[[frozenset[int], tuple[int, ...]], Sample] = read_sample
+    others: float = 0.0
+    _last: Sample | None = None
+
+    def update(self, now: float) -> bool:
+        """Read a new window if one has passed; True when `others` is fresh. A window much
+        longer than `interval_s` (the worker idled) only starts the next one: it would
+        average what happened while nothing of ours ran."""
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return False
+        sample = self.sample(self.cpus, self.ours)
+        last, self._last = self._last, sample
+        if last is None or not 0 < sample[0] - last[0] <= 4 * self.interval_s:
+            return False
+        used = (sample[1] - last[1]) - (sample[2] - last[2])
+        self.others = max(0.0, used) / (sample[0] - last[0])
+        return True
+
+
+@dataclass
+class TeamSizer:
+    max_threads: int
+    load: LoadMeter
+    trial_steps: int = 8
+    backoff_s: float = 2.0
+    max_backoff_s: float = 30.0
+    regrow_s: float = 5.0  # below max_threads: the first try of max_threads after this
+    clock: Callable[[], float] = time.monotonic
+    current: int = 0  # the team size in use (max_threads to start)
+    trial: int | None = None  # the size on trial, if any
+    # (rows, seconds) of the latest steps at the current size: a trial's reference, long
+    # enough that a neighbour's short burst does not make the current size look slow
+    _recent: deque = field(default_factory=lambda: deque(maxlen=32))
+    _trial_times: list = field(default_factory=list)
+    _reference: list = field(default_factory=list)
+    _next_trial: float = 0.0
+    _lost_at_load: float = float("inf")  # others when the last trial lost
+    _steps_load: float = 0.0  # others when the steps in _recent began
+    _backoff: float = 0.0
+    _regrow_at: float = float("inf")  # when max_threads is tried again (if below it)
+    _regrow_backoff: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.max_threads
+        self._backoff, self._regrow_backoff = self.backoff_s, self.regrow_s
+
+    @property
+    def size(self) -> int:
+        return self.trial or self.current
+
+    def before_step(self) -> int | None:
+        """The team size to use from this step on when it changes (a trial), else None."""
+        now = self.clock()
+        if self.trial is not None or not self.load.update(now):
+            return None
+        if abs(self.load.others - self._steps_load) >= RISE:  # the steps so far ran in
+            self._recent.clear()  # other conditions: not a reference for a trial
+        if not self._recent:
+            self._steps_load = self.load.others
+        wanted = team_size(len(self.load.cpus) - self.load.others, self.max_threads)
+        if wanted == self.current and self.current < self.max_threads and now >= self._regrow_at:
+            wanted = self.max_threads
+        elif now < self._next_trial and self.load.others < self._lost_at_load + RISE:
+            return None
+        if wanted == self.current or len(self._recent) < self.trial_steps:
+            return None
+        self.trial, self._trial_times, self._reference = wanted, [], list(self._recent)
+        return wanted
+
+    def after_step(self, rows: int, seconds: float) -> int | None:
+        """Record a step's time; the team size to go back to when a trial ends lost."""
+        if self.trial is None:
+            self._recent.append((rows, seconds))
+            return None
+        self._trial_times.append((rows, seconds))
+        counted = self._trial_times[1:]  # the first step woke or parked a thread
+        reference = [t for r, t in self._reference if counted and r == counted[0][0]]
+        if counted and reference and counted[-1][1] > 2 * statistics.median(reference):
+            return self._lose()  # clearly worse (a collapsing team): no need to see more
+        if len(counted) < self.trial_steps:
+            return None
+        trial = [t for r, t in counted if r == counted[0][0]]
+        if len(trial) < self.trial_steps // 2 or len(reference) < self.trial_steps // 2:
+            self.trial, self._next_trial = None, self.clock() + self.backoff_s
+            return self.current  # steps of other shapes: no verdict, try later
+        # Shrinking must win clearly (a bursty neighbour makes single trials noisy; a
+        # CPU-bound one halves the step time); growing back needs only to be no slower.
+        margin = 0.85 if self.trial < self.current else 1.0
+        if statistics.median(trial) < margin * statistics.median(reference):
+            return self._win(counted)
+        return self._lose()
+
+    def _win(self, counted: list) -> None:
+        grew = self.trial > self.current
+        self.current, self.trial = self.trial, None
+        self._recent.clear()
+        self._recent.extend(counted)
+        self._steps_load, self._lost_at_load = self.load.others, float("inf")
+        self._backoff = self.backoff_s
+        if not grew:
+            self._regrow_backoff = self.regrow_s
+        self._regrow_at = (self.clock() + self._regrow_backoff
+                           if self.current < self.max_threads else float("inf"))
+        return None
+
+    def _lose(self) -> int:
+        now = self.clock()
+        if self.trial == self.max_threads and self.current < self.max_threads:
+            self._regrow_backoff = min(2 * self._regrow_backoff, self.max_backoff_s)
+            self._regrow_at = now + self._regrow_backoff
+        else:
+            self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
+            self._backoff = min(2 * self._backoff, self.max_backoff_s)
+        self.trial = None
+        return self.current
