@@ -15,6 +15,7 @@ from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.layers.quantization.registry import resolve_quantization
+from worker.lora.manager import make_lora_manager
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.sample.rejection_sampler import RejectionSampler
@@ -75,6 +76,8 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
                                       num_kv_blocks=self.num_blocks,
                                       vocab_size=self.model_config.vocab_size)
+        # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
+        self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
         self.last_step = 0
 
     def _max_model_len(self) -> int:
@@ -107,6 +110,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], step=so.step)
         step = prepare_step(self.input_batch, so)
+        self.lora.begin_step(so, step)
         self.attention.plan(step.metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         tokens, logprobs = self._sample(so, step, hidden)

@@ -151,7 +151,8 @@ class KVCacheManager:
             return
         self._extend_block_hashes(request, num_full)
         self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full,
-                                          request.all_token_ids, request.block_hash_extra_keys)
+                                          request.all_token_ids, request.block_hash_extra_keys,
+                                          request.lora_request)
         self.num_cached_block[request.request_id] = num_full
 
     def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:

@@ -26,6 +26,7 @@ import zmq
 from launch.client.engine_client import POLL_MS, EngineClient, OutputBatch
 from launch.errors import EngineDeadError
 from protocol import AddRequest, EngineConfig, EngineCoreOutput, EngineReady
+from protocol.lora import AddLoRA, RemoveLoRA
 
 logger = logging.getLogger("deltaserve")
 WAITING_WEIGHT = 4  # vLLM's: a waiting request costs four running ones
@@ -119,6 +120,14 @@ class DPEngineClient:
             batches.setdefault(index, []).extend(group)
         for index, batch in batches.items():
             self._add_to(index, batch)
+
+    def send_lora(self, message: AddLoRA | RemoveLoRA) -> None:
+        """Every live replica registers (or drops) the adapter: any may be chosen."""
+        for index in list(self.live):
+            try:
+                self.replicas[index].send_lora(message)
+            except EngineDeadError as e:
+                self.deaths.append(self._lose(index, e))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}

@@ -34,6 +34,8 @@ ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 
 
 def _linear(layer: LinearBase) -> Linear | None:
+    """The layer's table entry, or None when it is not taken. A weight method with a
+    `native_guard` (LoRA's) is taken only in steps where the guard is not `active`."""
     weights = layer.quant_method.native_weights(layer)
     if weights is None or layer.bias is not None or len(weights.segments) > MAX_SEGMENTS:
         return None
@@ -57,6 +59,12 @@ def _layer(layer: nn.Module) -> Layer | None:
     if any(x is None for x in linears) or any(not _float_rows(w) for w in norms):
         return None
     return Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears)
+
+
+def _guards(model: nn.Module) -> list:
+    return [guard for module in model.modules()
+            if (guard := getattr(getattr(module, "quant_method", None), "native_guard", None))
+            is not None]
 
 
 def _float_rows(t: torch.Tensor) -> bool:
@@ -83,6 +91,7 @@ class NativeLayerLoop:
         self._scratch = {name: torch.empty(self.max_rows, w) for name, w in widths.items()}
         self._pending = torch.empty(self.max_rows, hidden)
         self._caches_key: tuple[int, ...] = ()
+        self._guards = list({id(g): g for g in _guards(model)}.values())
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeLayerLoop | None:
@@ -100,7 +109,8 @@ class NativeLayerLoop:
         return cls(native, model, layers)
 
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
-        return 0 < num_tokens <= self.max_rows and self._bind_caches(kv_caches)
+        return (0 < num_tokens <= self.max_rows and not any(g.active for g in self._guards)
+                and self._bind_caches(kv_caches))
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> bool:
         """Writes the caches' addresses into the layer table (once per set of caches)."""
