@@ -69,7 +69,7 @@ class LLM:
             now, batch, states = time.time(), [], []
             for i, ((text, ids), sp) in enumerate(zip(inputs, resolved)):
                 state = RequestState.create(str(next(self._ids)), text, ids, sp, self.tokenizer,
-                                            now)
+                                            now, loras[i])
                 batch += [self.inputs.make_request(child_id, ids, seq.params, now,
                                                    priority[i] if priority else 0, loras[i])
                           for child_id, seq in zip(state.child_ids, state.sequences)]
