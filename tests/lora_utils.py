@@ -29,22 +29,36 @@ def make_adapter(model_dir: str, path: str, seed: int, targets: list[str] | None
 
 
 def peft_greedy(model_dir: str, adapters: list[str | None], prompts: list[list[int]],
-                max_new_tokens: int) -> list[list[int]]:
+                max_new_tokens: int, gguf_file: str | None = None) -> list[list[int]]:
     """Hugging Face `generate` (float32, greedy, one prompt at a time) with PEFT applying
-    `adapters[i]` (None: the base model) to `prompts[i]`."""
+    `adapters[i]` (None: the base model) to `prompts[i]`; the base is loaded once (from
+    `gguf_file` in `model_dir`, dequantized, when given)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    models: dict[str | None, torch.nn.Module] = {}
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                gguf_file=gguf_file).eval()
+    names = {path: f"adapter{i}" for i, path in enumerate(dict.fromkeys(a for a in adapters if a))}
+    model = None
+    for path, name in names.items():
+        if model is None:
+            model = PeftModel.from_pretrained(base, path, adapter_name=name).eval()
+        else:
+            model.load_adapter(path, adapter_name=name)
     out = []
     for adapter, prompt in zip(adapters, prompts):
-        if adapter not in models:
-            base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            models[adapter] = (PeftModel.from_pretrained(base, adapter) if adapter else base).eval()
         ids = torch.tensor([prompt])
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                      eos_token_id=None)
         with torch.no_grad():
-            seq = models[adapter].generate(ids, attention_mask=torch.ones_like(ids),
-                                           max_new_tokens=max_new_tokens,
-                                           min_new_tokens=max_new_tokens, do_sample=False,
-                                           pad_token_id=0, eos_token_id=None)
+            if adapter is None:
+                if model is None:
+                    seq = base.generate(ids, **kwargs)
+                else:
+                    with model.disable_adapter():
+                        seq = model.generate(input_ids=ids, **kwargs)
+            else:
+                model.set_adapter(names[adapter])
+                seq = model.generate(input_ids=ids, **kwargs)
         out.append(seq[0, len(prompt):].tolist())
     return out
