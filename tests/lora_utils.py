@@ -62,3 +62,37 @@ def peft_greedy(model_dir: str, adapters: list[str | None], prompts: list[list[i
                 seq = model.generate(input_ids=ids, **kwargs)
         out.append(seq[0, len(prompt):].tolist())
     return out
+
+
+def write_random_adapter(hf_config: dict, path: str, seed: int, targets: list[str],
+                         r: int = 8, alpha: float = 16, std: float = 0.05,
+                         base_model: str = "") -> str:
+    """A PEFT adapter directory written directly (no model loaded): random normal(0, std) A
+    and B for `targets` of every layer of a model with `hf_config`'s shapes."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    h, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+    heads = hf_config["num_attention_heads"]
+    kv = hf_config.get("num_key_value_heads") or heads
+    d = hf_config.get("head_dim") or h // heads
+    shapes = {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d),
+              "o_proj": (heads * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+              "down_proj": (inter, h)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for target in targets:
+            sub = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{sub}.{target}"
+            n_in, n_out = shapes[target]
+            tensors[f"{name}.lora_A.weight"] = torch.randn(r, n_in, generator=generator) * std
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, r, generator=generator) * std
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+                   "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+                   "base_model_name_or_path": base_model, "inference_mode": True}, f)
+    return path
