@@ -63,8 +63,8 @@ class LLM:
         inputs = [self.inputs.tokenize(p) for p in prompts]
         resolved = [self.inputs.resolve(ids, sp) for (_, ids), sp in zip(inputs, params)]
         with self._lock:
-            registered = {lr: self.lora.ensure(lr) for lr in dict.fromkeys(loras) if lr}
-            loras = [registered[lr] if lr else None for lr in loras]
+            registered = {_key(lr): self.lora.ensure(lr) for lr in loras if lr}
+            loras = [registered[_key(lr)] if lr else None for lr in loras]
             progress = _Progress(len(prompts), use_tqdm)
             now, batch, states = time.time(), [], []
             for i, ((text, ids), sp) in enumerate(zip(inputs, resolved)):
@@ -156,6 +156,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _key(lora: LoRARequest) -> tuple[str, int, str]:
+    """What tells two LoRARequests apart (they compare equal by name alone, as vLLM's)."""
+    return lora.lora_name, lora.lora_int_id, lora.lora_path
 
 
 class _Progress:

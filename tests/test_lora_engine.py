@@ -72,13 +72,16 @@ def test_mixed_adapters_equal_peft_and_replay(adapters, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tensor_parallel_adapters_equal_peft(adapters):
+def test_tensor_parallel_adapters_equal_peft_with_evictions(adapters):
     model, paths = adapters
     names = ["a1", None, "a3", "a2"]
     prompts = _prompts(names)
     refs = peft_greedy(model, [paths.get(n) for n in names], prompts, MAX_TOKENS)
     loras = {n: LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(paths.items())}
-    with LLM(model, enable_lora=True, max_loras=3, tensor_parallel_size=2) as llm:
+    # Two adapters per step and two kept loaded: a2 waits for a slot, and one of the three
+    # is evicted and read again (cut for its rank again).
+    with LLM(model, enable_lora=True, max_loras=2, max_cpu_loras=2,
+             tensor_parallel_size=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False, lora_request=[loras.get(n) for n in names])

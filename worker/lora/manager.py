@@ -142,7 +142,8 @@ class LoRAManager:
         for lora_id in list(self.loaded):
             if len(self.loaded) <= self.capacity:
                 break
-            if lora_id not in live and not isinstance(self.loaded[lora_id], Future):
+            entry = self.loaded[lora_id]
+            if lora_id not in live and not (isinstance(entry, Future) and not entry.done()):
                 del self.loaded[lora_id]
 
 
