@@ -23,6 +23,7 @@ from worker.layers.quantization.base import LinearMethodBase, NativeWeights
 
 if TYPE_CHECKING:
     from worker.lora.mapping import LoRAMapping
+    from worker.lora.native import NativeLoRA
 
 # wrapped layer -> the checkpoint projections it holds, with their part keys, in output order
 _MERGED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
@@ -33,14 +34,19 @@ _MERGED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
 
 class LoRAContext:
     """What every wrapped layer reads in a step: the adapters' rows and weights (None: no
-    adapter rows in this step). The native layer loop reads it as its guard."""
+    adapter rows in this step). The native layer loop asks it for the step's deltas in its
+    own form (`native_step`)."""
 
     def __init__(self) -> None:
         self.mapping: LoRAMapping | None = None
+        self.native: NativeLoRA | None = None  # set once the layers are wrapped
 
-    @property
-    def active(self) -> bool:
-        return self.mapping is not None
+    def native_step(self) -> int | None:
+        """For the native layer loop: 0 in a step without adapter rows, else the address of
+        its LoRAStep, or None when the loop cannot apply these deltas."""
+        if self.mapping is None:
+            return 0
+        return None if self.native is None else self.native.step(self.mapping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +91,8 @@ class LoRALinearMethod(LinearMethodBase):
         return self.base.compute_dtype(layer)
 
     def native_weights(self, layer: nn.Module) -> NativeWeights | None:
-        """The base's: the native layer loop runs steps without adapter rows (it checks
-        `native_guard` each step)."""
+        """The base's: the native layer loop adds the deltas itself (`native_guard`'s
+        `native_step`)."""
         return self.base.native_weights(layer)
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -34,6 +35,8 @@ class LoRAModel:
     layers: list[Factors | None]  # by LoRATarget.index; None where it adapts nothing
     nbytes: int
     load_s: float
+    native_table: Any = None  # its factors as the native layer loop reads them (worker/lora/native.py)
+    native_kept: Any = None  # the tensors that table points into
 
     @property
     def id(self) -> int:

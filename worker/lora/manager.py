@@ -25,6 +25,7 @@ from worker.lora.adapter_files import inspect_adapter
 from worker.lora.layers import LoRAContext, wrap_lora_layers
 from worker.lora.lora_model import LoRAModel, load_lora_model
 from worker.lora.mapping import LoRAMapping
+from worker.lora.native import NativeLoRA
 from worker.models.config import ModelConfig
 from worker.step_inputs import StepInputs
 
@@ -52,6 +53,7 @@ class LoRAManager:
         self.context = LoRAContext()
         self.batch = batch
         self.targets = wrap_lora_layers(model, self.context)
+        self.context.native = NativeLoRA(self.targets)
         self.model_config, self.device = model_config, batch.device
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
         self.capacity = config.lora_cache_size

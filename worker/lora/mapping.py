@@ -14,6 +14,7 @@ Two layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ class LoRAMapping:
     # (adapter, first row, end row): rows of the step (index None) or of the gathered rows
     segments: list[tuple[LoRAModel, int, int]]
     index: torch.Tensor | None  # [num_adapter_rows] int64 step rows, adapter by adapter
+    native: Any = None  # the native layer loop's form of it, made on first use (lora/native.py)
 
     @staticmethod
     def build(request_ids: np.ndarray, counts: np.ndarray, models: dict[int, LoRAModel],

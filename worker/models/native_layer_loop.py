@@ -5,7 +5,9 @@ for bit; LlamaModel falls back to the loop for anything it does not take.
 
 Taken: tensor parallelism 1 on the CPU, float32 compute, the native attention backend with a
 float32 cache, every linear layer with native weights (GGUF, int8), no biases, no per-head
-q/k norms. DELTASERVE_NATIVE_LAYERS=0 turns it off.
+q/k norms. Steps with LoRA adapter rows are taken too: the loop adds each adapter's delta after
+its projection (worker/lora/native.py; float32 sums in another order than torch's, so those
+steps equal the Python loop's up to rounding). DELTASERVE_NATIVE_LAYERS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 
 
 def _linear(layer: LinearBase) -> Linear | None:
-    """The layer's table entry, or None when it is not taken. A weight method with a
-    `native_guard` (LoRA's) is taken only in steps where the guard is not `active`."""
+    """The layer's table entry, or None when it is not taken."""
     weights = layer.quant_method.native_weights(layer)
     if weights is None or layer.bias is not None or len(weights.segments) > MAX_SEGMENTS:
         return None
@@ -91,7 +92,10 @@ class NativeLayerLoop:
         self._scratch = {name: torch.empty(self.max_rows, w) for name, w in widths.items()}
         self._pending = torch.empty(self.max_rows, hidden)
         self._caches_key: tuple[int, ...] = ()
+        # A weight method's `native_guard` (LoRA's context) says per step what the loop must
+        # add (`native_step()`: 0 nothing, an address, None: not taken).
         self._guards = list({id(g): g for g in _guards(model)}.values())
+        self._lora = 0  # this step's LoRAStep address (set by takes)
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeLayerLoop | None:
@@ -109,8 +113,13 @@ class NativeLayerLoop:
         return cls(native, model, layers)
 
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
-        return (0 < num_tokens <= self.max_rows and not any(g.active for g in self._guards)
-                and self._bind_caches(kv_caches))
+        if not 0 < num_tokens <= self.max_rows or not self._bind_caches(kv_caches):
+            return False
+        lora = [g.native_step() for g in self._guards]
+        if None in lora or len(lora) > 1 and any(lora):
+            return False
+        self._lora = lora[0] if lora else 0
+        return True
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> bool:
         """Writes the caches' addresses into the layer table (once per set of caches)."""
@@ -142,7 +151,8 @@ class NativeLayerLoop:
                     plan.block_table.data_ptr(), plan.block_table.stride(0),
                     plan.items.data_ptr(), plan.items.shape[0], residual.data_ptr(),
                     self._pending.data_ptr(), s["h"].data_ptr(), s["qkv"].data_ptr(),
-                    s["attn"].data_ptr(), s["gate_up"].data_ptr(), s["act"].data_ptr())
+                    s["attn"].data_ptr(), s["gate_up"].data_ptr(), s["act"].data_ptr(),
+                    self._lora)
         status = self._native.forward(ctypes.byref(self._native.kernels),
                                       ctypes.byref(self._model), self._table, self._num_layers,
                                       ctypes.byref(step), torch.get_num_threads())
