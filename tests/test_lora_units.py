@@ -54,7 +54,8 @@ def test_scaling_follows_peft():
 @pytest.mark.parametrize("field, value, reason", [
     ("use_dora", True, "DoRA"), ("bias", "all", "biases"),
     ("modules_to_save", ["lm_head"], "modules_to_save"), ("r", 0, "r must be"),
-    ("init_lora_weights", "pissa", "base weights"), ("peft_type", "IA3", "not LoRA")])
+    ("init_lora_weights", "pissa", "base weights"), ("peft_type", "IA3", "not LoRA"),
+    ("rank_pattern", {"(.*a)+$": 4}, "quantified groups"), ("rank_pattern", {"(": 4}, "pattern")])
 def test_unsupported_features_are_named(field, value, reason):
     with pytest.raises(LoRAAdapterError, match=reason):
         PeftConfig.parse({"r": 8, "lora_alpha": 8, field: value}, "a")

@@ -24,6 +24,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
+MAX_SLACK_BYTES = 1 << 20  # bytes a weights file may hold past its tensors' data
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 # The projections an adapter may target, and the decoder sublayer each belongs to.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -112,6 +113,10 @@ def read_safetensors_header(path: str, name: str) -> dict[str, Any]:
         if not _valid_entry(entry, data):
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {tensor!r} is malformed or "
                                    f"of an unsupported dtype (F32, F16 and BF16 are read)")
+    used = max((e["data_offsets"][1] for e in header.values()), default=0)
+    if data - used > MAX_SLACK_BYTES:  # everything is hashed: no room for a padded file
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds {data - used} "
+                               "bytes past its tensors")
     return header
 
 

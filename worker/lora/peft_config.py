@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_PATTERN = 200
+_NESTED = re.compile(r"\)[*+?{]")  # a quantified group: the backtracking that can explode
+
 
 class LoRAAdapterError(ValueError):
     """An adapter that cannot be served: the message names the adapter and the reason."""
@@ -50,6 +53,9 @@ class PeftConfig:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: lora_alpha must be a number, got "
                                    f"{alpha!r}")
         ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        for key in (*ranks, *alphas) if isinstance(ranks, dict) and isinstance(alphas, dict) \
+                else ():
+            _check_pattern(key, name)
         if not isinstance(ranks, dict) or not all(_positive_int(v) for v in ranks.values()):
             raise LoRAAdapterError(f"LoRA adapter {name!r}: rank_pattern must map module "
                                    "patterns to positive integers")
@@ -102,6 +108,20 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
         problems.append(f"init_lora_weights {init!r} changes the base weights when PEFT "
                         "loads it; convert the adapter to a plain LoRA first")
     return problems
+
+
+def _check_pattern(key: Any, name: str) -> None:
+    """A rank/alpha pattern key is a regular expression (PEFT's rule); one that could take
+    exponential time (a quantified group) or is long is refused, as is one that does not
+    compile."""
+    if not isinstance(key, str) or len(key) > MAX_PATTERN or _NESTED.search(key):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: pattern {str(key)[:80]!r} is not "
+                               f"accepted (at most {MAX_PATTERN} characters, no quantified "
+                               "groups)")
+    try:
+        re.compile(key)
+    except re.error as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: pattern {key!r}: {e}") from None
 
 
 def _match(pattern: dict[str, Any], module: str) -> Any:
