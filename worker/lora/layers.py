@@ -5,66 +5,17 @@ of each adapter present (`LoRAContext.mapping`, set once per step by the worker'
 None in a step without adapter rows, which then costs one attribute read per layer). In a
 row-parallel layer the delta of the rank's input shard joins the partial product before the
 all-reduce, so the sum over ranks is the whole delta.
-
-Which layers are wrapped (`lora_targets`): every decoder layer's qkv_proj, o_proj,
-gate_up_proj and down_proj, each with the checkpoint projections merged into it (q, k, v;
-gate, up) in output order.
+Which layers are wrapped: worker/lora/targets.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from worker.layers.linear import LinearBase, RowParallelLinear
+from worker.layers.linear import LinearBase
 from worker.layers.quantization.base import LinearMethodBase, NativeWeights
-
-if TYPE_CHECKING:
-    from worker.lora.mapping import LoRAMapping
-    from worker.lora.native import NativeLoRA
-
-# wrapped layer -> the checkpoint projections it holds, with their part keys, in output order
-_MERGED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
-           "o_proj": (("o_proj", None),),
-           "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
-           "down_proj": (("down_proj", None),)}
-
-
-class LoRAContext:
-    """What every wrapped layer reads in a step: the adapters' rows and weights (None: no
-    adapter rows in this step). The native layer loop asks it for the step's deltas in its
-    own form (`native_step`)."""
-
-    def __init__(self) -> None:
-        self.mapping: LoRAMapping | None = None
-        self.native: NativeLoRA | None = None  # set once the layers are wrapped
-
-    def native_step(self) -> int | None:
-        """For the native layer loop: 0 in a step without adapter rows, else the address of
-        its LoRAStep, or None when the loop cannot apply these deltas."""
-        if self.mapping is None:
-            return 0
-        return None if self.native is None else self.native.step(self.mapping)
-
-
-@dataclass(frozen=True, slots=True)
-class LoRATarget:
-    """One wrapped layer: `index` is its place in every LoRAModel's `layers`."""
-
-    index: int
-    layer_index: int  # the decoder layer
-    name: str  # qkv_proj, o_proj, gate_up_proj or down_proj
-    layer: LinearBase
-
-    @property
-    def parts(self) -> tuple[tuple[str, object], ...]:
-        return _MERGED[self.name]
-
-    @property
-    def row_parallel(self) -> bool:
-        return isinstance(self.layer, RowParallelLinear)
+from worker.lora.context import LoRAContext
+from worker.lora.targets import MERGED, LoRATarget
 
 
 class LoRALinearMethod(LinearMethodBase):
@@ -105,7 +56,7 @@ def wrap_lora_layers(model: nn.Module, context: LoRAContext) -> list[LoRATarget]
     targets: list[LoRATarget] = []
     for name, module in model.named_modules():
         short = name.rsplit(".", 1)[-1]
-        if short not in _MERGED or not isinstance(module, LinearBase):
+        if short not in MERGED or not isinstance(module, LinearBase):
             continue
         layer_index = int(name.split(".layers.")[1].split(".")[0])
         target = LoRATarget(len(targets), layer_index, short, module)

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from protocol.lora import LoRARequest
 from worker.lora.adapter_files import AdapterSpec, ModuleSpec
-from worker.lora.layers import LoRATarget
+from worker.lora.targets import LoRATarget
 
 Factors = tuple[torch.Tensor, torch.Tensor]  # (a [in_per_rank, R], b [R, out_per_rank])
 

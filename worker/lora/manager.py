@@ -22,7 +22,8 @@ from protocol.lora import LoRARequest
 from protocol.scheduler_output import SchedulerOutput
 from worker.input_batch import InputBatch, StepProtocolError
 from worker.lora.adapter_files import inspect_adapter
-from worker.lora.layers import LoRAContext, wrap_lora_layers
+from worker.lora.context import LoRAContext
+from worker.lora.layers import wrap_lora_layers
 from worker.lora.lora_model import LoRAModel, load_lora_model
 from worker.lora.mapping import LoRAMapping
 from worker.lora.native import NativeLoRA

@@ -12,9 +12,9 @@ import ctypes
 import numpy as np
 import torch
 
-from worker.lora.layers import LoRATarget
 from worker.lora.lora_model import LoRAModel
 from worker.lora.mapping import LoRAMapping
+from worker.lora.targets import LoRATarget
 from worker.native.cpu_decoder import MAX_ROWS, LoRAFactors, LoRAStep
 
 _KINDS = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
