@@ -1,11 +1,13 @@
 """What LoRA adapters cost: decode steps of a batch whose sequences run 4 adapters (and one
 adapter's single stream) against the base model's, same engine settings, same run.
 
-Three engines stay up (the base model without --enable-lora; the same with it) and take
+The engines stay up (the base model without --enable-lora; the same with it) and take
 turns, round by round: the base engine on the base model, the LoRA engine on the base model
 (what enabling LoRA costs requests without an adapter), and the LoRA engine with the batch's
 sequences spread over the adapters (sequence j runs adapter j % N: every step mixes them,
-the adapters' rows interleaved). A decode step's time is (t(out tokens) - t(1 token)) /
+the adapters' rows interleaved). With quantized weights, a third engine runs the adapters
+with DELTASERVE_NATIVE_LORA=0: their steps in the Python layer loop instead of the native
+one. A decode step's time is (t(out tokens) - t(1 token)) /
 (out - 1), so prefill is not counted.
 
     python benchmarks/bench_lora.py --quantization none auto --rounds 3
@@ -74,11 +76,23 @@ def run(args: argparse.Namespace, quantization: str, adapters: list[LoRARequest]
     base = LLM(args.model, **common)
     lora = LLM(args.model, enable_lora=True, max_loras=len(adapters),
                max_lora_rank=args.rank, **common)
+    # Quantized weights run steps in the native layer loop; the same engine with
+    # DELTASERVE_NATIVE_LORA=0 shows what adapter rows cost in the Python loop instead.
+    python_loop = None
+    if quantization != "none":
+        os.environ["DELTASERVE_NATIVE_LORA"] = "0"
+        try:
+            python_loop = LLM(args.model, enable_lora=True, max_loras=len(adapters),
+                              max_lora_rank=args.rank, **common)
+        finally:
+            del os.environ["DELTASERVE_NATIVE_LORA"]
     batch = [[(7 * i + j) % 1000 + 10 for j in range(args.input)] for i in range(args.batch)]
     mixed = [adapters[i % len(adapters)] for i in range(args.batch)]
     shapes = {"batch": (batch, args.out), "stream": (batch[:1], args.stream_out)}
     cases = {"base engine": (base, None), "lora engine, base": (lora, None),
              "lora engine, adapters": (lora, "adapters")}
+    if python_loop is not None:
+        cases["adapters, Python loop"] = (python_loop, "adapters")
     results: dict[tuple[str, str], list[float]] = {}
     try:
         for llm, which in cases.values():  # warm up: kernels, adapters loaded
@@ -92,8 +106,9 @@ def run(args: argparse.Namespace, quantization: str, adapters: list[LoRARequest]
                         step_ms(llm, prompts, out, loras))
             print(f"  round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
-        base.shutdown()
-        lora.shutdown()
+        for llm in (base, lora, python_loop):
+            if llm is not None:
+                llm.shutdown()
     print(f"\n{args.model} -q {quantization}: ms per decode step, median (min..max) of "
           f"{args.rounds} rounds; {len(adapters)} adapters of rank {args.rank} on every "
           "projection")

@@ -8,6 +8,7 @@ projections; otherwise the step runs the Python layer loop, which applies the sa
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -18,6 +19,8 @@ from worker.lora.targets import LoRATarget
 from worker.native.cpu_decoder import MAX_ROWS, LoRAFactors, LoRAStep
 
 _KINDS = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+# DELTASERVE_NATIVE_LORA=0: steps with adapter rows take the Python layer loop (to compare).
+ENABLED = os.environ.get("DELTASERVE_NATIVE_LORA", "1") != "0"
 
 
 class NativeLoRA:
@@ -26,7 +29,7 @@ class NativeLoRA:
     def __init__(self, targets: list[LoRATarget]) -> None:
         layers = max((t.layer_index for t in targets), default=-1) + 1
         slots = [4 * t.layer_index + _KINDS[t.name] for t in targets]
-        self.complete = sorted(slots) == list(range(4 * layers))
+        self.complete = ENABLED and sorted(slots) == list(range(4 * layers))
         self.slots = slots  # target index -> its place in a table
         self.size = 4 * layers
 
