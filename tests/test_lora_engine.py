@@ -10,7 +10,7 @@ import httpx
 import pytest
 from lora_utils import make_adapter, peft_greedy
 from model_utils import make_tiny_model
-from server_utils import Server
+from server_utils import CHAT_TEMPLATE, Server
 
 from launch import LLM, LoRARequest, SamplingParams
 from replay.recorded_run import RecordedRun
@@ -94,9 +94,12 @@ def test_runtime_load_and_unload_through_the_server(adapters, tmp_path):
     model, paths = adapters
     prompt = _prompts(["a2"])[0]
     (ref,) = peft_greedy(model, [paths["a2"]], [prompt], MAX_TOKENS)
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     server = Server(model, "--enable-lora", "--max-loras", "2", "--lora-modules",
                     f'{{"name": "a1", "path": "{paths["a1"]}", "base_model_name": "{model}"}}',
-                    "--allow-runtime-lora-updating", api_key="secret")
+                    "--allow-runtime-lora-updating", "--chat-template", str(template),
+                    api_key="secret")
     try:
         client = httpx.Client(base_url=server.url, headers=server.headers, timeout=60)
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -115,6 +118,7 @@ def test_runtime_load_and_unload_through_the_server(adapters, tmp_path):
         with_ids = client.post("/v1/completions", json={**body, "model": "a2",
                                                        "return_token_ids": True}).json()
         assert with_ids["choices"][0]["token_ids"] == ref
+        _chat_routes(client)
         cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert cards["a1"]["parent"] == model and cards["a2"]["root"] == paths["a2"]
         info = [k for k in server.metrics() if k.startswith("vllm:lora_requests_info")]
@@ -128,6 +132,19 @@ def test_runtime_load_and_unload_through_the_server(adapters, tmp_path):
         assert base.status_code == 200  # the static adapter still serves
     finally:
         server.stop()
+
+
+def _chat_routes(client: httpx.Client) -> None:
+    """Chat completions, Responses and Messages pick the adapter by `model` and name it."""
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"model": "a2", "messages": messages,
+                                                     "max_tokens": 4})
+    responses = client.post("/v1/responses", json={"model": "a2", "input": "hi",
+                                                   "max_output_tokens": 4})
+    anthropic = client.post("/v1/messages", json={"model": "a2", "messages": messages,
+                                                  "max_tokens": 4})
+    for answer in (chat, responses, anthropic):
+        assert answer.status_code == 200 and answer.json()["model"] == "a2", answer.text
 
 
 def _refusals(client: httpx.Client, model: str, tmp_path) -> None:
