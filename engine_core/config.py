@@ -26,6 +26,8 @@ class SchedulerConfig:
     # Draft tokens proposed per request (n-gram lookup here, or a draft model in the
     # workers) and verified as extra tokens of the next step; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Most distinct LoRA adapters among the running requests (so in any step); None: LoRA off.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and self.async_scheduling:

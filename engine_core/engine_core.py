@@ -18,6 +18,7 @@ from protocol.engine_messages import (
     GrammarsCompiled,
 )
 from protocol.kv_events import KVEvent
+from protocol.lora import AddLoRA, RemoveLoRA
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 
@@ -69,7 +70,8 @@ class EngineCore:
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             async_scheduling=config.async_scheduling,
-                            speculative_config=config.speculative_config),
+                            speculative_config=config.speculative_config,
+                            max_loras=config.max_loras if config.enable_lora else None),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching,
                         tuple(sliding_windows) or (0,)),
             vocab_size)
@@ -90,8 +92,13 @@ class EngineCore:
     def add_request(self, message: AddRequest) -> list[EngineCoreOutput]:
         """Queue a request; a request that can never run finishes at once with an error."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                          message.arrival_time, message.priority, message.eos_token_id)
+                          message.arrival_time, message.priority, message.eos_token_id,
+                          lora_request=message.lora_request)
         try:
+            if request.lora_request is not None and self.scheduler.lora_slots.max_loras is None:
+                raise ValueError(f"request {message.request_id!r} names LoRA adapter "
+                                 f"{request.lora_request.lora_name!r}, but LoRA is not enabled "
+                                 "(--enable-lora)")
             logprobs = message.sampling_params.logprobs
             if logprobs is not None and logprobs > self.max_logprobs:
                 raise ValueError(f"logprobs must be at most {self.max_logprobs} (the engine's "
@@ -142,8 +149,12 @@ class EngineCore:
             out.error = error
         return outputs
 
-    def handle(self, message: AddRequest | AddRequests | AbortRequests | GrammarsCompiled,
-               ) -> list[EngineCoreOutput]:
+    def handle(self, message: AddRequest | AddRequests | AbortRequests | GrammarsCompiled
+               | AddLoRA | RemoveLoRA) -> list[EngineCoreOutput]:
+        """Apply a front-end message (an adapter's registration changes nothing here: the
+        process forwards it to the workers, and requests carry their adapter)."""
+        if isinstance(message, (AddLoRA, RemoveLoRA)):
+            return []
         if isinstance(message, AddRequest):
             return self.add_request(message)
         if isinstance(message, AddRequests):

@@ -31,6 +31,7 @@ from protocol import (
 )
 from protocol.journal import ENGINE_CORE
 from protocol.journal_header import open_journal
+from protocol.lora import AddLoRA, LoadLoRA, RemoveLoRA, UnloadLoRA
 from protocol.request_salvage import readable_request_ids
 
 logger = logging.getLogger("deltaserve")
@@ -136,6 +137,8 @@ class EngineCoreProc:
                 if isinstance(message, GrammarsCompiled):  # ours to say, never the front-end's
                     self.decoder.dropped.warn("dropped a GrammarsCompiled from the front-end")
                     continue
+                if isinstance(message, (AddLoRA, RemoveLoRA)):
+                    self._forward_lora(message)
                 outputs += engine.handle(message)
             compiled = engine.poll_grammars()
             if compiled is not None:  # an input like any other: journaled, then applied
@@ -162,6 +165,16 @@ class EngineCoreProc:
                            and time.monotonic() - self.last_sent > HEARTBEAT_S):
                 self._send(EngineCoreOutputs(outputs, engine.scheduler.step,
                                              engine.scheduler.get_stats()))
+
+    def _forward_lora(self, message: AddLoRA | RemoveLoRA) -> None:
+        """Have the workers load (in the background) or drop an adapter; refused without
+        --enable-lora (a request naming it is refused then too)."""
+        if not self.config.enable_lora:
+            self.decoder.dropped.warn("dropped a LoRA adapter message: LoRA is not enabled")
+        elif isinstance(message, AddLoRA):
+            self.workers.send_control(LoadLoRA(message.lora_request))
+        else:
+            self.workers.send_control(UnloadLoRA(message.lora_int_id))
 
     def _send(self, message: msgspec.Struct) -> None:
         frame = self.encoder.encode(message)

@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any
 
+from protocol.lora import LoRARequest, lora_hash_keys
 from protocol.sampling_params import SamplingParams
 
 
@@ -51,12 +52,13 @@ class Request:
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
                  "length_end", "scheduled_time", "block_hash_extra_keys", "spec_token_ids",
-                 "spec_state", "min_tokens", "structured_output", "mask_late")
+                 "spec_state", "min_tokens", "structured_output", "mask_late", "lora_request")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None,
-                 block_hash_extra_keys: tuple[int | str, ...] = ()) -> None:
+                 block_hash_extra_keys: tuple[int | str, ...] = (),
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -71,10 +73,12 @@ class Request:
                        else RequestStatus.WAITING_FOR_GRAMMAR)
         # Wire handle, assigned when first scheduled and kept until the request finishes.
         self.req_id = -1
+        # The LoRA adapter it runs with (None: the base model): part of its KV's identity.
+        self.lora_request = lora_request
         # Chained hashes of the full blocks of all_token_ids, extended lazily; the extra
-        # keys (none by default) go into every block's hash.
+        # keys (none by default; an adapter's) go into every block's hash.
         self.block_hashes: list[bytes] = []
-        self.block_hash_extra_keys = block_hash_extra_keys
+        self.block_hash_extra_keys = block_hash_extra_keys or lora_hash_keys(lora_request)
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens or sys.maxsize
@@ -104,6 +108,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

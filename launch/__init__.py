@@ -5,6 +5,7 @@ from launch.errors import EngineDeadError
 from launch.llm import LLM
 from launch.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from protocol import SamplingParams, StructuredOutputsParams
+from protocol.lora import LoRARequest
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "EngineDeadError",
-           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "LoRARequest"]

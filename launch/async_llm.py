@@ -25,6 +25,7 @@ import zmq.asyncio
 from launch.client.engine_client import POLL_MS, OutputBatch
 from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
+from launch.lora.registry import LoRARegistry
 from launch.metrics.stats import IterationStats, StatLogger
 from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput, PromptType
@@ -32,6 +33,7 @@ from launch.processing.output_processor import OutputProcessor
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
 from protocol import SamplingParams, SchedulerStats
+from protocol.lora import LoRARequest
 
 logger = logging.getLogger("deltaserve")
 
@@ -51,6 +53,7 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}  # request id -> stream, until finished
         self._handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
+        self.lora = LoRARegistry(self.config, self.engine.send_lora)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)
 
@@ -66,19 +69,20 @@ class AsyncLLM:
     # --- requests -------------------------------------------------------------------------
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams | None,
-                       add_special_tokens: bool = True, check_constraint: bool = True
-                       ) -> ProcessedInput:
+                       add_special_tokens: bool = True, check_constraint: bool = True,
+                       lora_request: LoRARequest | None = None) -> ProcessedInput:
         """Tokenize and validate; ValueError naming the field for anything the engine would
         refuse (the checks and messages of `LLM.generate`). A rendered chat prompt already
         holds its special tokens: `add_special_tokens=False`. With `check_constraint=False`
-        a constraint not checked before is left `unchecked`, for `check_constraint`."""
+        a constraint not checked before is left `unchecked`, for `check_constraint`.
+        `lora_request`: a registered adapter (`add_lora`)."""
         text, ids = self.inputs.tokenize(prompt, add_special_tokens)
         resolved = self.inputs.resolve(
             ids, params or SamplingParams(**self.inputs.sampling_defaults), check_constraint)
         constraint = resolved.structured_outputs
         unchecked = (constraint if not check_constraint and constraint is not None
                      and not self.inputs.constraint_known(constraint) else None)
-        return ProcessedInput(text, ids, resolved, unchecked)
+        return ProcessedInput(text, ids, resolved, unchecked, lora_request=lora_request)
 
     async def check_constraint(self, inputs: ProcessedInput) -> None:
         """Check an `unchecked` constraint without blocking the event loop (the grammar
@@ -92,6 +96,24 @@ class AsyncLLM:
         else:
             await self.inputs.grammars.check_async(constraint)
 
+    # --- LoRA adapters --------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> LoRARequest:
+        """Check an adapter (its files read off the event loop) and have the engine load it;
+        the registered LoRARequest (with its digest). LoRAAdapterError (a ValueError) names
+        why one cannot be served."""
+        checked = await asyncio.to_thread(self.lora.check, lora_request)
+        self._check_alive()
+        return self.lora.commit(checked, replace)
+
+    def remove_lora(self, name: str) -> LoRARequest:
+        """Unregister an adapter (KeyError if unknown); running requests finish with it."""
+        self._check_alive()
+        return self.lora.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.adapters()
+
     def add_request(self, request_id: str, inputs: ProcessedInput, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
                     ) -> RequestStream:
@@ -101,9 +123,10 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.start()
         state = RequestState.create(request_id, inputs.prompt, inputs.prompt_token_ids,
-                                    inputs.params, self.tokenizer)
+                                    inputs.params, self.tokenizer,
+                                    lora_request=inputs.lora_request)
         requests = [self.inputs.make_request(child_id, inputs.prompt_token_ids, seq.params,
-                                             state.times.arrival, priority)
+                                             state.times.arrival, priority, inputs.lora_request)
                     for child_id, seq in zip(state.child_ids, state.sequences)]
         self.engine.add_requests(requests)
         self.output_processor.add_request(state)
@@ -113,11 +136,18 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,
                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as tokens arrive; the last has `finished` set. A
-        consumer that stops early (or is cancelled) aborts the request in the engine."""
+        consumer that stops early (or is cancelled) aborts the request in the engine.
+        `lora_request`: its adapter, registered first if it is new."""
         request_id = request_id if request_id is not None else f"async-{id(object())}"
-        inputs = self.process_inputs(prompt, sampling_params, check_constraint=False)
+        if lora_request is not None:
+            known = self.lora.get(lora_request.lora_name)
+            lora_request = known if known is not None and known.lora_int_id == \
+                lora_request.lora_int_id else await self.add_lora(lora_request)
+        inputs = self.process_inputs(prompt, sampling_params, check_constraint=False,
+                                     lora_request=lora_request)
         await self.check_constraint(inputs)
         stream = self.add_request(request_id, inputs, priority, output_kind)
         try:

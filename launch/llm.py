@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
+from launch.lora.registry import LoRARegistry, per_prompt_lora
 from launch.metrics.stats import IterationStats
 from launch.offline_chat import ChatOptions, attach_messages, constrained, plan_conversation
 from launch.outputs import RequestOutput
@@ -21,6 +22,7 @@ from launch.processing.input_processor import PromptType, per_prompt
 from launch.processing.output_processor import OutputProcessor, ProcessedOutputs
 from launch.processing.request_state import RequestState
 from protocol import SamplingParams
+from protocol.lora import LoRARequest
 
 
 class LLM:
@@ -39,6 +41,7 @@ class LLM:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
+        self.lora = LoRARegistry(self.config, self.engine.send_lora)
         # Stop the engine even if the caller forgets to: at exit, or when collected.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)
@@ -46,23 +49,29 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Run prompts to completion; results in prompt order. Every prompt and parameter is
-        validated before anything is scheduled, so a bad one raises ValueError alone."""
+        validated before anything is scheduled, so a bad one raises ValueError alone.
+        `lora_request`: the LoRA adapter for every prompt, or one (or None) per prompt; an
+        adapter not seen before is checked and loaded first."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = per_prompt(sampling_params, len(prompts), self.inputs.sampling_defaults)
+        loras = per_prompt_lora(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self.inputs.tokenize(p) for p in prompts]
         resolved = [self.inputs.resolve(ids, sp) for (_, ids), sp in zip(inputs, params)]
         with self._lock:
+            registered = {_key(lr): self.lora.ensure(lr) for lr in loras if lr}
+            loras = [registered[_key(lr)] if lr else None for lr in loras]
             progress = _Progress(len(prompts), use_tqdm)
             now, batch, states = time.time(), [], []
             for i, ((text, ids), sp) in enumerate(zip(inputs, resolved)):
                 state = RequestState.create(str(next(self._ids)), text, ids, sp, self.tokenizer,
-                                            now)
+                                            now, loras[i])
                 batch += [self.inputs.make_request(child_id, ids, seq.params, now,
-                                                   priority[i] if priority else 0)
+                                                   priority[i] if priority else 0, loras[i])
                           for child_id, seq in zip(state.child_ids, state.sequences)]
                 states.append(state)
             # Every request valid: now sent (a request's sequences to one replica), tracked.
@@ -91,7 +100,9 @@ class LLM:
              response_format: dict[str, Any] | None = None,
              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
              chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """`generate` on conversations ([{"role": ..., "content": ...}, ...], or a list of
         them) in any shape the chat route accepts, rendered with the model's chat template
         (or `chat_template`, a template's text) and its generation prompt. `tools`,
@@ -111,9 +122,26 @@ class LLM:
         prompts = [{"prompt": plan.prompt, "prompt_token_ids": self.tokenizer.encode(
             plan.prompt, add_special_tokens=False)} for plan in plans]
         outputs = self.generate(prompts, [constrained(p, plan) for p, plan in zip(params, plans)],
-                                use_tqdm=use_tqdm)
+                                use_tqdm=use_tqdm, lora_request=lora_request)
         attach_messages(outputs, plans)
         return outputs
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and load an adapter ahead of its requests (ValueError naming the reason)."""
+        with self._lock:
+            self.lora.ensure(lora_request)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter by name; False if none has that name."""
+        with self._lock:
+            if self.lora.get(name) is None:
+                return False
+            self.lora.remove(name)
+            return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.adapters()
 
     def _model_chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
@@ -128,6 +156,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _key(lora: LoRARequest) -> tuple[str, int, str]:
+    """What tells two LoRARequests apart (they compare equal by name alone, as vLLM's)."""
+    return lora.lora_name, lora.lora_int_id, lora.lora_path
 
 
 class _Progress:

@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.lora import LoRARequest
+
 
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a stream carries, as vLLM's `output_kind`: CUMULATIVE,
@@ -51,3 +53,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: None = None
     metrics: dict = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)

@@ -99,6 +99,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_events_config: Annotated[KVEventsConfig | None, _opt(
         "KV-cache events as vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true}' (ZeroMQ "
         "PUB on tcp://127.0.0.1:5557 + rank)")] = None
+    enable_lora: Annotated[bool, _opt(
+        "serve LoRA adapters (PEFT directories) beside the base model, per request")] = False
+    max_loras: Annotated[int, _opt(
+        "most distinct LoRA adapters in one step (requests of another wait for a later "
+        "step)")] = 1
+    max_lora_rank: Annotated[int, _opt(
+        "highest adapter rank accepted; a higher one is refused when it is loaded")] = 16
+    max_cpu_loras: Annotated[int | None, _opt(
+        "adapters each worker keeps loaded, least recently used out first (an evicted one is "
+        "read again when a request needs it); default: max_loras")] = None
     startup_timeout_s: Annotated[float, _opt("how long workers may take to start")] = 600.0
     step_timeout_s: Annotated[float, _opt(
         "a step that makes no progress for this long ends the engine")] = 60.0
@@ -133,7 +143,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                                  f"got {value!r}")
         for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs",
                      "block_size", "max_model_len", "num_threads",
-                     "max_num_batched_tokens", "kv_cache_memory_bytes"):
+                     "max_num_batched_tokens", "kv_cache_memory_bytes", "max_loras",
+                     "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -163,6 +174,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              "accepted, which the scheduler does not know yet while that step "
                              "runs; choose one of them")
         self._check_scale_out()
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}): a step's adapters must all be loaded")
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
@@ -199,6 +213,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.local_ranks is None:
             return list(range(self.tensor_parallel_size))
         return sorted(self.local_ranks)
+
+    @property
+    def lora_cache_size(self) -> int:
+        """Adapters a worker keeps loaded (--max-cpu-loras, else --max-loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens per step: as given, else 8192, raised to max_model_len when prompts cannot

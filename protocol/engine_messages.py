@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from protocol.lora import AddLoRA, LoRARequest, RemoveLoRA
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
@@ -21,6 +22,7 @@ class AddRequest(WireStruct, tag=10):
     arrival_time: float
     priority: int = 0
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class AddRequests(WireStruct, tag=13):
@@ -129,5 +131,6 @@ class EngineFailed(WireStruct, tag=22):
     process: str = "engine_core"
 
 
-FrontendToCore = AddRequest | AddRequests | AbortRequests | ShutdownEngine | GrammarsCompiled
+FrontendToCore = (AddRequest | AddRequests | AbortRequests | ShutdownEngine | GrammarsCompiled
+                  | AddLoRA | RemoveLoRA)
 CoreToFrontend = EngineCoreOutputs | EngineReady | EngineFailed

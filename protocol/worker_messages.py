@@ -7,6 +7,7 @@ of blocks it holds. Then `SchedulerOutput`s flow down and rank 0 answers `ModelR
 from __future__ import annotations
 
 from protocol.engine_config import EngineConfig
+from protocol.lora import LoadLoRA, UnloadLoRA
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import (
     MaskedSchedulerOutput,
@@ -69,5 +70,5 @@ class WorkerError(WireStruct, tag=42):
 
 
 CoreToWorker = (SchedulerOutput | MaskedSchedulerOutput | SpecDecodeSchedulerOutput | WorkerInit
-                | WorkerShutdown | WorkerPing)
+                | WorkerShutdown | WorkerPing | LoadLoRA | UnloadLoRA)
 WorkerToCore = ModelRunnerOutput | WorkerHello | WorkerReady | WorkerError

@@ -53,6 +53,7 @@ class InputBatch:
         self.layer_windows = layer_windows  # per model layer, its attention window
         self.block_tables = np.zeros((len(self.sliding_windows), rows, self.max_blocks), np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
+        self.lora_ids = np.zeros(rows, np.int64)  # each row's LoRA adapter id (0: none)
         self.row_of_handle = np.full(rows, -1, np.int64)
         self.request_ids: list[str | None] = [None] * rows
         self.sampling = SamplingTable(rows)
@@ -102,6 +103,10 @@ class InputBatch:
             raise StepProtocolError(f"unknown request handle {int(handles[rows < 0][0])}")
         return rows
 
+    def live_rows(self) -> np.ndarray:
+        """The rows of the requests this batch holds."""
+        return self.row_of_handle[self.row_of_handle >= 0]
+
     def _row(self, handle: int) -> int:
         return int(self.rows_of([handle])[0])
 
@@ -131,12 +136,14 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self.request_ids[row] = new.request_id
+        self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request else 0
         self.sampling.set_row(row, new.sampling_params, new.eos_token_id, self.device)
 
     def _remove(self, handle: int) -> None:
         row = self._row(handle)
         self.row_of_handle[handle] = -1
         self.request_ids[row] = None
+        self.lora_ids[row] = 0
         self.sampling.clear_row(row)
         heapq.heappush(self._free_rows, row)
 
@@ -161,7 +168,7 @@ class InputBatch:
     def _grow(self) -> None:
         old = len(self.request_ids)
         for name in ("token_ids", "num_tokens", "num_prompt_tokens", "num_computed",
-                     "num_blocks"):
+                     "num_blocks", "lora_ids"):
             array = getattr(self, name)
             grown = np.zeros((2 * old, *array.shape[1:]), array.dtype)
             grown[:old] = array

@@ -16,6 +16,7 @@ from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.layers.quantization.registry import resolve_quantization
+from worker.lora.manager import make_lora_manager
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.native.prebuild import prebuild
@@ -97,6 +98,8 @@ class ModelRunner:
                                       layer_windows=tuple(
                                           self.kv_cache_spec.window(i)
                                           for i in range(self.kv_cache_spec.num_layers)))
+        # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
+        self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
         self.last_step = 0
 
     def _max_model_len(self) -> int:
@@ -131,6 +134,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], step=so.step)
         step = prepare_step(self.input_batch, so)
+        self.lora.begin_step(so, step)
         for metadata in step.metadata.groups():
             self.attention.plan(metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)

@@ -27,6 +27,8 @@ class StepInputs:
     # tokens; a sampled request's logits rows are its last known token's, then its drafts'.
     # None in a plain step (one logits row per sampled request).
     num_drafts: np.ndarray | None = None
+    counts: np.ndarray | None = None  # [num_reqs] tokens each request computes in the step
+    lora_ids: np.ndarray | None = None  # [num_reqs] each request's LoRA adapter id (0: none)
 
 
 def prepare_step(batch: InputBatch, so: SchedulerOutput) -> StepInputs:
@@ -62,7 +64,7 @@ def prepare_step(batch: InputBatch, so: SchedulerOutput) -> StepInputs:
     device = batch.device
     return StepInputs(req_ids, rows, _to(batch.token_ids[token_rows, positions], device),
                       _to(positions, device), metadata, _to(logits_indices, device), sampled,
-                      computed, drafts)
+                      computed, drafts, counts, batch.lora_ids[rows])
 
 
 def attention_inputs(batch: InputBatch, rows: np.ndarray, computed: np.ndarray,

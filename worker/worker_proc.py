@@ -32,6 +32,7 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from protocol.lora import LoadLoRA, UnloadLoRA
 from protocol.scheduler_output import MAX_STEP_FRAME
 from worker.device import resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
@@ -122,6 +123,10 @@ class WorkerProc:
                                          time.perf_counter() - start)
                 if self.rank == 0:
                     self._send(output)
+            elif isinstance(message, LoadLoRA):
+                runner.lora.preload(message.lora_request)
+            elif isinstance(message, UnloadLoRA):
+                runner.lora.unload(message.lora_int_id)
 
     def _send(self, message) -> None:
         self.socket.send(self.encoder.encode(message), copy=False)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from engine_core.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 from engine_core.kv_cache.kv_event_log import KVEventLog
 from protocol.kv_events import KVEvent
+from protocol.lora import LoRARequest
 
 HASH_BYTES = 16  # hash_block_tokens' digest: a key of this length is group 0's
 
@@ -102,11 +103,12 @@ class BlockPool:
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
                           num_cached: int, num_full: int, token_ids: list[int] = (),
-                          extra_keys: tuple[int | str, ...] = (), group: int = 0) -> None:
+                          extra_keys: tuple[int | str, ...] = (), group: int = 0,
+                          lora: LoRARequest | None = None) -> None:
         """Publish layer group `group`'s `blocks[num_cached:num_full]` under
-        `block_hashes[num_cached:num_full]` (`token_ids`, the sequence's tokens, and its hash
-        `extra_keys` only go into KV events, which group 0 alone reports: a prefix is cached
-        where group 0 holds it). Null blocks are skipped."""
+        `block_hashes[num_cached:num_full]` (`token_ids`, the sequence's tokens, its hash
+        `extra_keys` and its adapter `lora` only go into KV events, which group 0 alone
+        reports: a prefix is cached where group 0 holds it). Null blocks are skipped."""
         table = self.cached_block_hash_to_block
         published = [] if self.kv_events is not None and group == 0 else None
         for i in range(num_cached, num_full):
@@ -117,7 +119,7 @@ class BlockPool:
                 if published is not None:
                     published.append(i)
         if published:
-            self.kv_events.stored(published, block_hashes, token_ids, extra_keys)
+            self.kv_events.stored(published, block_hashes, token_ids, extra_keys, lora)
 
     def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
         """Verify free list, ref counts and hash map; raise IntegrityError on any mismatch.

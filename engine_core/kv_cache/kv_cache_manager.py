@@ -227,7 +227,8 @@ class KVCacheManager:
         for group in self.groups:
             self.block_pool.cache_full_blocks(
                 group.req_to_blocks[request.request_id], request.block_hashes, num_cached,
-                num_full, request.all_token_ids, request.block_hash_extra_keys, group.index)
+                num_full, request.all_token_ids, request.block_hash_extra_keys, group.index,
+                request.lora_request)
         self.num_cached_block[request.request_id] = num_full
 
     def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:

@@ -11,6 +11,7 @@ from engine_core.kv_cache.kv_cache_manager import KVCacheManager
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched.audit import audit_scheduler
 from engine_core.sched.handle_allocator import HandleAllocator
+from engine_core.sched.lora_slots import LoRASlots
 from engine_core.sched.request_queue import create_request_queue
 from engine_core.sched.request_table import RequestTable, answer_rows
 from engine_core.sched.step_plan import StepPlan
@@ -74,6 +75,7 @@ class Scheduler:
         self.num_lookahead_tokens = self.speculator.num_lookahead_tokens
         self.num_blocked = 0  # waiting requests whose grammars are not ready
         self.num_held = 0  # requests (running or preempted) whose next mask is not ready
+        self.lora_slots = LoRASlots(scheduler_config.max_loras)
 
     # --- requests in and out ---------------------------------------------------------------
 
@@ -258,10 +260,12 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
+        self.lora_slots.begin(self.running)
         while (len(self.waiting) and plan.budget > 0
                and len(self.running) < self.scheduler_config.max_num_seqs):
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or request.mask_late:
+            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or request.mask_late
+                    or not self.lora_slots.admits(request)):
                 skipped.append(self.waiting.pop())
                 continue
             if plan.new and plan.new_prompt_tokens + request.num_tokens > MAX_NEW_PROMPT_TOKENS:
@@ -280,6 +284,7 @@ class Scheduler:
             self.waiting.pop()
             resumed = request.status == RequestStatus.PREEMPTED
             self._admit(request, num_hit)
+            self.lora_slots.add(request)
             if resumed:
                 plan.add_resumed(request, n, kv.get_block_ids(request.request_id))
             else:

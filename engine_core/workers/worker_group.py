@@ -27,6 +27,7 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from protocol.lora import LoadLoRA, UnloadLoRA
 
 if TYPE_CHECKING:
     from engine_core.workers.ray_launcher import RayLauncher
@@ -154,6 +155,13 @@ class WorkerGroup:
         except Unreachable as e:
             raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
         self.in_flight.append((step, time.monotonic()))
+
+    def send_control(self, message: LoadLoRA | UnloadLoRA) -> None:
+        """A message every rank applies between steps, in order with them; no answer."""
+        try:
+            self.socket.broadcast(self.socket.encoder.encode(message), self.socket.step)
+        except Unreachable as e:
+            raise self._blame(WorkerFailure("worker", f"cannot reach a worker: {e}")) from None
 
     def collect(self) -> ModelRunnerOutput:
         """Rank 0's answer to the oldest step submitted and not yet collected. A step with no

@@ -20,6 +20,7 @@ from launch.entrypoints.openai.chat_answer import ChatParsers
 from launch.entrypoints.openai.http_limits import HttpLimits, bounded_h11_protocol
 from launch.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
 from launch.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES
+from launch.entrypoints.openai.serving_lora import add_lora_args, parse_lora_modules
 from launch.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from launch.errors import EngineDeadError
 
@@ -44,6 +45,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug"])
     _add_chat_parser_args(parser)
     _add_http_limit_args(parser)
+    add_lora_args(parser)
     add_engine_args(parser)
 
 
@@ -172,6 +174,11 @@ def serve(args: argparse.Namespace) -> int:
     api_key = api_key_of(args)
     limits = http_limits(args)
     parsers = chat_parsers(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    if (lora_modules or runtime_lora) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
     previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
@@ -180,11 +187,13 @@ def serve(args: argparse.Namespace) -> int:
         metrics = PrometheusStatLogger(name)
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
         metrics.log_cache_config(engine.config, engine.engine.readies)
+        metrics.log_lora_config(engine.config)
         app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
                         chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
                         chat_parsers=parsers,
                         responses_store=ResponseStore(args.responses_store_max_responses,
-                                                      args.responses_store_max_bytes))
+                                                      args.responses_store_max_bytes),
+                        lora_modules=lora_modules, allow_runtime_lora_updating=runtime_lora)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=bounded_h11_protocol(limits),

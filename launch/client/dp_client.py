@@ -6,7 +6,9 @@ sockets, so with `data_parallel_size == 1` none of this runs: the front-end talk
 
 Balancing is vLLM's (DPLBAsyncMPClient): a new request goes to the live replica with the
 lowest 4 x waiting + running, from the replica's latest `SchedulerStats` plus the requests
-sent to it since that report; ties go to the lowest rank. A request's n sequences go to one
+sent to it since that report; ties go to the lowest rank. A LoRA request's adapter is part of
+the choice: a replica already holding requests of that adapter counts `ADAPTER_AFFINITY`
+lighter for it. A request's n sequences go to one
 replica (they share a prompt, hence its cached blocks). Aborts go to the replica holding the
 request.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
@@ -26,9 +29,14 @@ import zmq
 from launch.client.engine_client import POLL_MS, EngineClient, OutputBatch
 from launch.errors import EngineDeadError
 from protocol import AddRequest, EngineConfig, EngineCoreOutput, EngineReady
+from protocol.lora import AddLoRA, LoRARequest, RemoveLoRA
 
 logger = logging.getLogger("deltaserve")
 WAITING_WEIGHT = 4  # vLLM's: a waiting request costs four running ones
+# A replica already holding requests of a request's LoRA adapter counts this much lighter
+# for it: the adapter is loaded there, shares a --max-loras slot, and its prefix cache
+# holds that adapter's blocks (blocks of other adapters never match).
+ADAPTER_AFFINITY = WAITING_WEIGHT
 
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
@@ -63,6 +71,8 @@ class DPEngineClient:
         self.sent = [0] * n  # requests sent since the replica's last stats report
         self.seen_stats = [r.stats for r in self.replicas]
         self.owner: dict[str, int] = {}  # engine request id -> replica index, until finished
+        self.adapter_of: dict[str, int] = {}  # engine request id -> its LoRA adapter's id
+        self.adapters: list[Counter[int]] = [Counter() for _ in range(n)]  # unfinished, by id
         self.dead: EngineDeadError | None = None
         self.deaths: list[OutputBatch] = []  # replicas lost while sending, not yet reported
         self.poller = zmq.Poller()
@@ -114,11 +124,19 @@ class DPEngineClient:
         for size in group_sizes if group_sizes is not None else [len(requests)]:
             group = requests[start:start + size]
             start += size
-            index = self._choose()
+            index = self._choose(group[0].lora_request if group else None)
             self.sent[index] += len(group)
             batches.setdefault(index, []).extend(group)
         for index, batch in batches.items():
             self._add_to(index, batch)
+
+    def send_lora(self, message: AddLoRA | RemoveLoRA) -> None:
+        """Every live replica registers (or drops) the adapter: any may be chosen."""
+        for index in list(self.live):
+            try:
+                self.replicas[index].send_lora(message)
+            except EngineDeadError as e:
+                self.deaths.append(self._lose(index, e))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -161,7 +179,7 @@ class DPEngineClient:
                 self.seen_stats[index], self.sent[index] = replica.stats, 0
             for out in outputs:
                 if out.finish_reason is not None:
-                    self.owner.pop(out.request_id, None)
+                    self._forget(out.request_id)
             if outputs:
                 batches.append(OutputBatch(replica.rank, outputs, replica.stats))
         return batches
@@ -172,14 +190,25 @@ class DPEngineClient:
 
     # --- balancing and failures -------------------------------------------------------------
 
-    def _choose(self) -> int:
+    def _choose(self, lora: LoRARequest | None = None) -> int:
         if not self.live:
             raise self.dead or EngineDeadError("no engine replica is alive")
+        lora_id = lora.lora_int_id if lora is not None else 0
 
         def load(index: int) -> int:
             stats = self.replicas[index].stats
-            return WAITING_WEIGHT * (stats.num_waiting + self.sent[index]) + stats.num_running
+            cost = WAITING_WEIGHT * (stats.num_waiting + self.sent[index]) + stats.num_running
+            return cost - ADAPTER_AFFINITY if lora_id and self.adapters[index][lora_id] else cost
         return min(self.live, key=load)
+
+    def _forget(self, request_id: str) -> None:
+        """A request finished: it no longer counts for its replica or adapter."""
+        index = self.owner.pop(request_id, None)
+        lora_id = self.adapter_of.pop(request_id, 0)
+        if index is not None and lora_id:
+            self.adapters[index][lora_id] -= 1
+            if self.adapters[index][lora_id] <= 0:
+                del self.adapters[index][lora_id]
 
     def _add_to(self, index: int, batch: list[AddRequest]) -> None:
         """Send a replica its batch; one that turns out dead hands it to the next choice."""
@@ -189,9 +218,12 @@ class DPEngineClient:
                 break
             except EngineDeadError as e:
                 self.deaths.append(self._lose(index, e))
-                index = self._choose()
+                index = self._choose(batch[0].lora_request)
         for request in batch:
             self.owner[request.request_id] = index
+            if request.lora_request is not None:
+                self.adapter_of[request.request_id] = request.lora_request.lora_int_id
+                self.adapters[index][request.lora_request.lora_int_id] += 1
 
     def _lose(self, index: int, error: EngineDeadError) -> OutputBatch:
         """Replica `index` is dead: forget it and the requests it held."""
@@ -202,7 +234,7 @@ class DPEngineClient:
             logger.error("%s; %d replica(s) still serving", named, len(self.live))
         lost = [rid for rid, owner in self.owner.items() if owner == index]
         for request_id in lost:
-            del self.owner[request_id]
+            self._forget(request_id)
         if not self.live:
             self.dead = named
         return OutputBatch(self.replicas[index].rank, [], None, lost, named)

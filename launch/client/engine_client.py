@@ -27,6 +27,7 @@ from protocol import (
     SchedulerStats,
     ShutdownEngine,
 )
+from protocol.lora import AddLoRA, RemoveLoRA
 
 # The engine core's largest legal frame (a step's outputs with logprobs) is far below this.
 MAX_OUTPUT_FRAME = 64 << 20
@@ -136,6 +137,10 @@ class EngineClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
             self._send(AbortRequests(request_ids))
+
+    def send_lora(self, message: AddLoRA | RemoveLoRA) -> None:
+        """Register (or unregister) a LoRA adapter with the engine core."""
+        self._send(message)
 
     def get_outputs(self, timeout_ms: int = POLL_MS) -> list[EngineCoreOutput]:
         """Outputs that arrived within the timeout (possibly none)."""

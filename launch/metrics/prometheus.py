@@ -69,6 +69,8 @@ class PrometheusStatLogger:
                                            "Draft tokens the target model accepted.", labels,
                                            registry=r)}
         self._engines: dict[int, _EngineMetrics] = {}
+        self.lora_info: Gauge | None = None  # with LoRA enabled (log_lora_config)
+        self.max_loras = 0
 
     def engine(self, rank: int) -> _EngineMetrics:
         """The label children of one engine, made on first use."""
@@ -98,7 +100,22 @@ class PrometheusStatLogger:
                         str(config.num_gpu_blocks_override), _HASH_ALGO, str(rank)).set(1)
             self.engine(rank)
 
+    def log_lora_config(self, config: EngineConfig) -> None:
+        """With LoRA enabled, vLLM's `vllm:lora_requests_info`: one series, value the time of
+        the last update, labelled `max_lora` and the adapters with waiting and running
+        requests (comma-separated names). Unlike vLLM, an update replaces the previous
+        series, so /metrics holds the current one only."""
+        if config.enable_lora and self.lora_info is None:
+            self.max_loras = config.max_loras
+            self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters",
+                                    "running_lora_adapters"], registry=self.registry)
+
     def record(self, stats: IterationStats) -> None:
+        if stats.lora is not None and self.lora_info is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(str(self.max_loras), ",".join(stats.lora.waiting),
+                                  ",".join(stats.lora.running)).set_to_current_time()
         m = self.engine(stats.engine)
         s = stats.scheduler
         if s is not None:

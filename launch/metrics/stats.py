@@ -31,6 +31,15 @@ class IterationStats:
     finished: list[FinishedRequest] = field(default_factory=list)
     scheduler: SchedulerStats | None = None
     engine: int = 0  # the data-parallel rank of the replica these outputs came from
+    # With LoRA requests in the front-end: adapter name -> requests not yet scheduled
+    # (waiting) and scheduled (running), as vLLM's LoRARequestStates counts them.
+    lora: LoRAStats | None = None
+
+
+@dataclass
+class LoRAStats:
+    waiting: dict[str, int] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)
 
 
 class StatLogger(Protocol):

@@ -32,6 +32,7 @@ from protocol import (
     StructuredOutputsParams,
     check_prompt,
 )
+from protocol.lora import LoRARequest
 
 PromptType = str | dict[str, Any]
 MAX_N = 128  # sequences per request, as OpenAI's API allows
@@ -48,6 +49,7 @@ class ProcessedInput:
     params: SamplingParams
     unchecked: StructuredOutputsParams | None = None
     describe: Callable[[StructuredOutputsError], Exception] | None = None
+    lora_request: LoRARequest | None = None  # a registered adapter (None: the base model)
 
 
 class InputProcessor:
@@ -146,14 +148,15 @@ class InputProcessor:
         return self.grammars.verdict(constraint)
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     arrival_time: float, priority: Any = 0) -> AddRequest:
+                     arrival_time: float, priority: Any = 0,
+                     lora_request: LoRARequest | None = None) -> AddRequest:
         """The request exactly as the engine core will decode it."""
         if type(priority) is not int or not -(1 << 63) <= priority < 1 << 63:
             raise ValueError(f"priority must be a 64-bit int, got {priority!r}")
         if params.stop:  # matched here, in the front-end: the engine never needs them
             params = msgspec.structs.replace(params, stop=None)
         request = AddRequest(request_id, token_ids, params, arrival_time, priority,
-                             self.eos_token_id)
+                             self.eos_token_id, lora_request)
         try:
             frame = self._codec.encode(request)
             self._codec.decode(frame)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from launch.metrics.stats import FinishedRequest, IterationStats
+from launch.metrics.stats import FinishedRequest, IterationStats, LoRAStats
 from launch.processing.request_state import RequestState
 from protocol import EngineCoreOutput
 
@@ -28,11 +28,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._routes: dict[str, tuple[RequestState, int]] = {}  # child id -> (state, index)
+        self.lora_seen = False  # a LoRA request was ever added: stats count adapters
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         self.requests[state.request_id] = state
+        self.lora_seen = self.lora_seen or state.lora_request is not None
         for i, child_id in enumerate(state.child_ids):
             self._routes[child_id] = (state, i)
 
@@ -68,7 +70,21 @@ class OutputProcessor:
                 result.finished.append(state)
                 if stats is not None:
                     _finished(state, stats)
+        if stats is not None and self.lora_seen:
+            stats.lora = self.lora_stats()
         return result
+
+    def lora_stats(self) -> LoRAStats:
+        """Unfinished requests per adapter: waiting until the engine first scheduled them
+        (or they produced a token), running after."""
+        stats = LoRAStats()
+        for state in self.requests.values():
+            if state.lora_request is not None:
+                started = state.times.queued_s is not None or state.times.first_token is not None
+                counts = stats.running if started else stats.waiting
+                name = state.lora_request.lora_name
+                counts[name] = counts.get(name, 0) + 1
+        return stats
 
     def abort_request(self, request_id: str, stats: IterationStats | None = None
                       ) -> list[str]:

@@ -16,6 +16,7 @@ import msgspec
 from launch.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from launch.processing.detokenizer import IncrementalDetokenizer, find_stop_string
 from protocol import EngineCoreOutput, SampleLogprobs, SamplingParams
+from protocol.lora import LoRARequest
 
 logger = logging.getLogger("deltaserve")
 
@@ -51,15 +52,18 @@ class RequestState:
     child_ids: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time()))
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                params: SamplingParams, tokenizer: Any | None,
-               arrival: float | None = None) -> RequestState:
+               arrival: float | None = None,
+               lora_request: LoRARequest | None = None) -> RequestState:
         """n sequences, each its own engine request: `request_id` itself when n == 1, else
         `{i}_{request_id}` with `child_seed(seed, i)` (so each sequence samples differently)."""
         state = cls(request_id, prompt, prompt_token_ids,
-                    times=RequestTimes(time.time() if arrival is None else arrival))
+                    times=RequestTimes(time.time() if arrival is None else arrival),
+                    lora_request=lora_request)
         for i in range(params.n):
             child = params if params.n == 1 else msgspec.structs.replace(
                 params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
@@ -143,7 +147,8 @@ class RequestState:
         else:
             outputs = [s.output for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, self.num_cached_tokens)
+                             self.finished, self.num_cached_tokens,
+                             lora_request=self.lora_request)
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -26,6 +26,11 @@
 //   cos/sin [max_position, head_dim] float32: the layer's rotary table.
 //   Group g (a layer's KV group): its slot_mapping [m], block_table [requests, bt_stride],
 //   attention work items, and sliding window (0: full attention).
+//   LoRA (Step.lora, null without adapter rows): after linear j (qkv, o, gate_up, down) of
+//   layer i, each adapter's rows get y[r] += (x[r] · aᵀ) · b with its factors of target
+//   4 i + j: a [rank, K], b [rank, N] (float32, the scaling folded into b; a null a: that
+//   adapter leaves the layer alone). rows[bounds[n]:bounds[n + 1]] are adapter n's step rows;
+//   t [rows, max rank] is scratch.
 #include <cstdint>
 
 namespace {
@@ -82,12 +87,19 @@ struct Group {
     const int64_t* slot_mapping; const int32_t* block_table; int64_t bt_stride;
     const int32_t* items; int64_t num_items; int64_t window;
 };
+struct LoRAFactors {
+    int64_t rank; const float* a; const float* b;
+};
+struct LoRAStep {
+    int64_t num_adapters; const LoRAFactors* const* tables; const int64_t* bounds;
+    const int64_t* rows; float* t;
+};
 struct Step {
     int64_t m; const int64_t* positions;
     const int32_t* query_start_loc; const int32_t* seq_lens;
     int64_t num_groups; Group groups[MAX_GROUPS];
     float* residual; float* pending; float* h; float* qkv; float* attn; float* gate_up;
-    float* act;
+    float* act; const LoRAStep* lora;
 };
 
 namespace {
@@ -112,6 +124,45 @@ int linear(const Kernels& f, const Linear& w, const float* x, int64_t x_stride, 
             for (int64_t c = 0; c < n; ++c) y[r * y_stride + c] *= w.scale[c];
     }
     return 0;
+}
+
+constexpr int64_t LORA_COLUMNS = 256;  // output columns one expand work item adds to
+
+// y [., N] += each adapter's (x · aᵀ) · b on its rows (target: the linear's LoRA index). Two
+// worksharing loops per adapter: t = x · aᵀ over (row, rank) pairs, then y += t · b over
+// (row, column block) pairs; each ends in its barrier.
+void lora_delta(const LoRAStep* lora, int64_t target, const float* x, int64_t x_stride,
+                float* y, int64_t y_stride, int64_t k, int64_t n) {
+    if (!lora) return;
+    const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;
+    for (int64_t ad = 0; ad < lora->num_adapters; ++ad) {
+        const LoRAFactors& f = lora->tables[ad][target];
+        const int64_t first = lora->bounds[ad], rows = lora->bounds[ad + 1] - first;
+        if (!f.a || rows <= 0) continue;
+        const int64_t rank = f.rank;
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < rows * rank; ++q) {
+            const float* xr = x + lora->rows[first + q / rank] * x_stride;
+            const float* ar = f.a + (q % rank) * k;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t c = 0; c < k; ++c) acc += xr[c] * ar[c];
+            lora->t[q] = acc;
+        }
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < rows * blocks; ++q) {
+            const int64_t p = q / blocks, c0 = (q % blocks) * LORA_COLUMNS;
+            const int64_t c1 = c0 + LORA_COLUMNS < n ? c0 + LORA_COLUMNS : n;
+            float* yr = y + lora->rows[first + p] * y_stride;
+            const float* tr = lora->t + p * rank;
+            for (int64_t j = 0; j < rank; ++j) {
+                const float tj = tr[j];
+                const float* br = f.b + j * n;
+#pragma omp simd
+                for (int64_t c = c0; c < c1; ++c) yr[c] += tj * br[c];
+            }
+        }
+    }
 }
 
 // residual += x (unless x is null), then h = RMSNorm(residual) · weight.
@@ -155,22 +206,29 @@ int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
                        d.scale, TEAM, static_cast<int>(g.window));
 }
 
-// One decoder layer; `pending` holds the previous layer's MLP output (first: nothing).
-int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& s, bool first) {
+// One decoder layer (the i-th); `pending` holds the previous layer's MLP output (first:
+// nothing).
+int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& s, int64_t i) {
     const int64_t hidden = d.hidden, inter = d.intermediate, m = s.m;
     const int64_t width = qkv_width(d);
     const int64_t attn_width = d.num_heads * d.head_dim;
-    int status = add_and_norm(f, d, s, first ? nullptr : s.pending, l.input_norm);
+    int status = add_and_norm(f, d, s, i == 0 ? nullptr : s.pending, l.input_norm);
     if (!status) status = linear(f, l.qkv, s.h, hidden, s.qkv, width, m);
+    if (!status) lora_delta(s.lora, 4 * i, s.h, hidden, s.qkv, width, hidden, width);
     if (!status) status = attention(f, d, l, s);
     if (!status) status = linear(f, l.o, s.attn, attn_width, s.pending, hidden, m);
+    if (!status) lora_delta(s.lora, 4 * i + 1, s.attn, attn_width, s.pending, hidden,
+                            attn_width, hidden);
     if (!status && l.attn_out_norm) status = norm_in_place(f, d, s, s.pending, l.attn_out_norm);
     if (!status) status = add_and_norm(f, d, s, s.pending, l.post_norm);
     if (!status) status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
+    if (!status) lora_delta(s.lora, 4 * i + 2, s.h, hidden, s.gate_up, 2 * inter, hidden,
+                            2 * inter);
     if (!status)
         status = (d.gelu ? f.gelu_tanh : f.silu)(F32, s.act, inter, s.gate_up, 2 * inter, m,
                                                   inter, TEAM);
     if (!status) status = linear(f, l.down, s.act, inter, s.pending, hidden, m);
+    if (!status) lora_delta(s.lora, 4 * i + 3, s.act, inter, s.pending, hidden, inter, hidden);
     if (!status && l.mlp_out_norm) status = norm_in_place(f, d, s, s.pending, l.mlp_out_norm);
     return status;
 }
@@ -190,7 +248,7 @@ int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, i
     {
         int mine = 0;
         for (int i = 0; i < num_layers && !mine; ++i)
-            mine = layer_forward(*f, *d, layers[i], *s, i == 0);
+            mine = layer_forward(*f, *d, layers[i], *s, i);
         if (mine) {
 #pragma omp atomic write
             status = mine;

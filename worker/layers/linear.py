@@ -62,9 +62,17 @@ class ColumnParallelLinear(LinearBase):
         self.out_per_rank = out_per_rank or tp.shard(out_features, "output features")
         super().__init__(in_features, self.out_per_rank, tp, bias, quant_config, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        start = self.tp.rank * self.out_per_rank
-        param.data.copy_(param.shard_dims.output(loaded, start, self.out_per_rank))
+    def output_shard(self, part: object = None) -> tuple[int, int, int]:
+        """Where a checkpoint tensor's part goes on this rank: (offset in this rank's output
+        rows, rows, first row taken from the tensor). What weight loaders and LoRA's B
+        matrices are cut by."""
+        return 0, self.out_per_rank, self.tp.rank * self.out_per_rank
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      part: object = None) -> None:
+        offset, size, start = self.output_shard(part)
+        dims = param.shard_dims
+        dims.output(param.data, offset, size).copy_(dims.output(loaded, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -83,13 +91,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(part_sizes), tp, quant_config=quant_config,
                          prefix=prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
-                      part: int = 0) -> None:
+    def output_shard(self, part: object = 0) -> tuple[int, int, int]:
         size = self.part_sizes[part]
-        offset = sum(self.part_sizes[:part])
-        dims = param.shard_dims
-        dims.output(param.data, offset, size).copy_(
-            dims.output(loaded, self.tp.rank * size, size))
+        return sum(self.part_sizes[:part]), size, self.tp.rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -125,17 +129,12 @@ class QKVParallelLinear(ColumnParallelLinear):
                          out_per_rank=(self.num_heads + 2 * self.num_kv_heads) * head_dim,
                          quant_config=quant_config, prefix=prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
-                      part: str = "q") -> None:
+    def output_shard(self, part: object = "q") -> tuple[int, int, int]:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if part == "q":
-            offset, size, start = 0, q_size, self.q_start * d
-        else:
-            offset = q_size if part == "k" else q_size + kv_size
-            size, start = kv_size, self.kv_head_start * d
-        dims = param.shard_dims
-        dims.output(param.data, offset, size).copy_(dims.output(loaded, start, size))
+            return 0, q_size, self.q_start * d
+        return (q_size if part == "k" else q_size + kv_size), kv_size, self.kv_head_start * d
 
 
 def _even_part(total: int, parts: int, index: int) -> tuple[int, int]:

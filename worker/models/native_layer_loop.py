@@ -7,8 +7,11 @@ A model is taken when its decoder layers say what their norms are (`native_norms
 two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
 (`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: tensor
 parallelism 1 on the CPU, float32 compute, the native attention backend with a float32
-cache, every linear layer with native weights (GGUF, int8), no biases, dense MLPs (a mixture-of-experts layer is not
-taken). Each layer attends through its own KV group (block table, slots, sliding window).
+cache, every linear layer with native weights (GGUF, int8), no biases, dense MLPs (a
+mixture-of-experts layer is not taken). Each layer attends through its own KV group (block
+table, slots, sliding window). Steps with LoRA adapter rows are taken too: the loop adds each
+adapter's delta after its projection (worker/lora/native.py; float32 sums in another order
+than torch's, so those steps equal the Python loop's up to rounding).
 DELTASERVE_NATIVE_LAYERS=0 turns it off.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 
 
 def _linear(layer: LinearBase) -> Linear | None:
+    """The layer's table entry, or None when it is not taken."""
     weights = layer.quant_method.native_weights(layer)
     if weights is None or layer.bias is not None or len(weights.segments) > MAX_SEGMENTS:
         return None
@@ -90,6 +94,12 @@ def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
                  _pointer(norms.mlp_out), rotary.cos.data_ptr(), rotary.sin.data_ptr(), 0)
 
 
+def _guards(model: nn.Module) -> list:
+    return [guard for module in model.modules()
+            if (guard := getattr(getattr(module, "quant_method", None), "native_guard", None))
+            is not None]
+
+
 def _float_rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
@@ -115,6 +125,10 @@ class NativeLayerLoop:
         self._scratch = {name: torch.empty(self.max_rows, w) for name, w in widths.items()}
         self._pending = torch.empty(self.max_rows, hidden)
         self._caches_key: tuple[int, ...] = ()
+        # A weight method's `native_guard` (LoRA's context) says per step what the loop must
+        # add (`native_step()`: 0 nothing, an address, None: not taken).
+        self._guards = list({id(g): g for g in _guards(model)}.values())
+        self._lora = 0  # this step's LoRAStep address (set by takes)
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeLayerLoop | None:
@@ -134,7 +148,13 @@ class NativeLayerLoop:
         return cls(native, model, layers)
 
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
-        return 0 < num_tokens <= self.max_rows and self._bind_caches(kv_caches)
+        if not 0 < num_tokens <= self.max_rows or not self._bind_caches(kv_caches):
+            return False
+        lora = [g.native_step() for g in self._guards]
+        if None in lora or len(lora) > 1 and any(lora):
+            return False
+        self._lora = lora[0] if lora else 0
+        return True
 
     def _bind_caches(self, kv_caches: list[KVCache]) -> bool:
         """Writes the caches' addresses into the layer table (once per set of caches)."""
@@ -182,7 +202,7 @@ class NativeLayerLoop:
                               g.sliding_window) for g, p in zip(groups, plans))),
                     residual.data_ptr(), self._pending.data_ptr(), s["h"].data_ptr(),
                     s["qkv"].data_ptr(), s["attn"].data_ptr(), s["gate_up"].data_ptr(),
-                    s["act"].data_ptr())
+                    s["act"].data_ptr(), self._lora)
         status = self._native.forward(ctypes.byref(self._native.kernels),
                                       ctypes.byref(self._model), self._table, self._num_layers,
                                       ctypes.byref(step), torch.get_num_threads())

@@ -62,11 +62,20 @@ class Group(ctypes.Structure):
                 ("items", _P), ("num_items", _I64), ("window", _I64)]
 
 
+class LoRAFactors(ctypes.Structure):
+    _fields_ = [("rank", _I64), ("a", _P), ("b", _P)]
+
+
+class LoRAStep(ctypes.Structure):
+    _fields_ = [("num_adapters", _I64), ("tables", _P), ("bounds", _P), ("rows", _P),
+                ("t", _P)]
+
+
 class Step(ctypes.Structure):
     _fields_ = [("m", _I64), ("positions", _P), ("query_start_loc", _P), ("seq_lens", _P),
                 ("num_groups", _I64), ("groups", Group * MAX_GROUPS), ("residual", _P),
                 ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
-                ("act", _P)]
+                ("act", _P), ("lora", _P)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Routes: GET /health, /v1/models, /version, /metrics; POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize; the Responses API (`serving_responses`) and
-Anthropic's Messages API (`anthropic/`). Every error is OpenAI's JSON shape (Anthropic's on
+Anthropic's Messages API (`anthropic/`); LoRA adapters' load and unload (`serving_lora`). Every error is OpenAI's JSON shape (Anthropic's on
 its routes); with an API key, every route but the OPEN_PATHS (vLLM's health and monitoring
 routes) wants `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`.
 """
@@ -36,6 +36,11 @@ from launch.entrypoints.openai.responses_store import ResponseStore
 from launch.entrypoints.openai.serving_chat import OpenAIServingChat
 from launch.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from launch.entrypoints.openai.serving_engine import json_response
+from launch.entrypoints.openai.serving_lora import (
+    LoRAModulePath,
+    OpenAIServingLoRA,
+    add_lora_routes,
+)
 from launch.entrypoints.openai.serving_responses import OpenAIServingResponses
 from launch.metrics.prometheus import PrometheusStatLogger
 from launch.processing.chat_template import ChatTemplate
@@ -74,9 +79,12 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
               metrics: PrometheusStatLogger | None = None, owns_engine: bool = True,
               limits: HttpLimits = HttpLimits(),
               chat_parsers: ChatParsers = ChatParsers(),
-              responses_store: ResponseStore | None = None) -> FastAPI:
+              responses_store: ResponseStore | None = None,
+              lora_modules: list[LoRAModulePath] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app serving `engine` under one or more model names (the first is reported); with
-    `owns_engine`, its shutdown stops the engine."""
+    `owns_engine`, its shutdown stops the engine. `lora_modules` are registered now (a bad one
+    raises ValueError); `allow_runtime_lora_updating` adds the load and unload routes."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     inputs = ThreadPoolExecutor(1, thread_name_prefix="deltaserve-inputs")
 
@@ -95,6 +103,10 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HeaderCountMiddleware, max_header_count=limits.max_header_count)
     _error_handlers(app)
+    lora = OpenAIServingLoRA(engine, names)
+    lora.load_static(list(lora_modules))
+    if allow_runtime_lora_updating:
+        add_lora_routes(app, lora)
     completions = OpenAIServingCompletion(engine, names, inputs)
     chat = OpenAIServingChat(engine, names, inputs, chat_template, chat_parsers)
     app.post("/v1/completions")(completions.create)
@@ -102,7 +114,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     store = ResponseStore() if responses_store is None else responses_store
     _responses_routes(app, OpenAIServingResponses(chat, store))
     add_messages_routes(app, AnthropicServingMessages(chat))
-    _info_routes(app, engine, names, metrics)
+    _info_routes(app, engine, names, metrics, lora)
     _tokenizer_routes(app, engine, chat)
     return app
 
@@ -136,7 +148,7 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def _info_routes(app: FastAPI, engine: AsyncLLM, names: list[str],
-                 metrics: PrometheusStatLogger | None) -> None:
+                 metrics: PrometheusStatLogger | None, lora: OpenAIServingLoRA) -> None:
     started = int(time.time())
 
     @app.get("/health")
@@ -151,7 +163,8 @@ def _info_routes(app: FastAPI, engine: AsyncLLM, names: list[str],
             "id": name, "object": "model", "created": started, "owned_by": "deltaserve",
             "root": engine.config.model, "parent": None,
             "max_model_len": engine.max_model_len,
-            "quantization": engine.inputs.ready.quantization} for name in names]})
+            "quantization": engine.inputs.ready.quantization} for name in names]
+            + lora.model_cards(started)})
 
     @app.get("/version")
     async def version() -> Response:

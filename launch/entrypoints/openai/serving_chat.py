@@ -52,6 +52,7 @@ class ChatRun:
     body: ChatCompletionRequest
     inputs: ProcessedInput
     answers: ChatAnswerParser
+    model: str  # what the response names: the served model, or the LoRA adapter asked for
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -71,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
     async def prepare(self, body: ChatCompletionRequest) -> ChatRun:
         """Validate, render and tokenize a chat request (on the input thread), and bound
         what it may cost: the same for every chat-like route."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_alive()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -89,10 +90,10 @@ class OpenAIServingChat(OpenAIServing):
                 structured_outputs=plan.constraint and plan.constraint.params)
             answers.append(plan.answers)
             return self.process(plan.prompt, params, add_special_tokens=False,
-                                constraint=plan.constraint)
+                                constraint=plan.constraint, lora_request=lora)
         inputs = await self.off_loop(prepare)  # returns the ProcessedInput, as off_loop expects
         self.check_budget([inputs])
-        return ChatRun(body, inputs, answers[0])
+        return ChatRun(body, inputs, answers[0], self.reported_model(lora))
 
     async def answer(self, raw: Request, run: ChatRun, rid: str) -> RequestOutput:
         """The whole output (`run.answers` splits each sequence's text)."""
@@ -138,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
                 "stop_reason": seq.stop_reason,
                 **({"token_ids": seq.token_ids} if body.return_token_ids else {})})
         return {"id": rid, "object": "chat.completion", "created": now(),
-                "model": self.model_name, "choices": choices,
+                "model": run.model, "choices": choices,
                 **({"prompt_token_ids": out.prompt_token_ids} if body.return_token_ids else {}),
                 "usage": usage(len(out.prompt_token_ids),
                                sum(len(s.token_ids) for s in out.outputs))}
@@ -152,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = (chat_logprobs(seq, body.top_logprobs or 0)
                         if body.logprobs and seq is not None else None)
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name,
+                        "model": run.model,
                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish,
                                      "stop_reason": None if seq is None or finish is None
@@ -168,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(seq.index, delta, seq)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [],
+                           "model": run.model, "choices": [],
                            "usage": usage(len(run.inputs.prompt_token_ids), generated)})
             yield SSE_DONE
         except Exception as e:  # every refusal or failure: an error event, then [DONE]

@@ -35,7 +35,7 @@ from launch.processing.request_stream import RequestStream
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, raw: Request) -> Response:
         body = await read_body(raw, CompletionRequest)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_alive()
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
@@ -48,7 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * params.n > MAX_SEQUENCES:
             raise APIError(400, f"at most {MAX_SEQUENCES} sequences (prompts x n) per request, "
                            f"got {len(prompts) * params.n}", "n")
-        inputs = await self.off_loop(lambda: [self.process(p, params, constraint=constraint)
+        inputs = await self.off_loop(lambda: [self.process(p, params, constraint=constraint,
+                                                           lora_request=lora)
                                               for p in prompts])
         self.check_budget(inputs)
         rid = request_id("cmpl")
@@ -73,12 +74,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                   prompt_token_ids=inputs[i].prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": now(),
-                "model": self.model_name, "choices": choices,
+                "model": self.reported_model(inputs[0].lora_request), "choices": choices,
                 "usage": usage(sum(len(p.prompt_token_ids) for p in inputs), generated)}
 
     async def _stream(self, rid: str, body: CompletionRequest, inputs: list[ProcessedInput]
                       ) -> AsyncIterator[bytes]:
-        n = inputs[0].params.n
+        n, model = inputs[0].params.n, self.reported_model(inputs[0].lora_request)
         created, generated = now(), 0
         offsets = [0] * (n * len(inputs))
 
@@ -88,7 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if body.return_token_ids and seq is not None:
                 choice["token_ids"] = seq.token_ids
             return sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": [choice]})
+                        "model": model, "choices": [choice]})
         streams: list[RequestStream] = []
         try:
             streams = self.submit(rid, inputs, RequestOutputKind.DELTA)
@@ -103,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield chunk(i * n + seq.index, seq.text, seq)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [],
+                           "model": model, "choices": [],
                            "usage": usage(sum(len(p.prompt_token_ids) for p in inputs),
                                           generated)})
             yield SSE_DONE

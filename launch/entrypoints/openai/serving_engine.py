@@ -32,6 +32,7 @@ from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
 from launch.processing.request_stream import RequestStream
 from protocol import StructuredOutputsError
+from protocol.lora import LoRARequest
 
 logger = logging.getLogger("deltaserve")
 T = TypeVar("T")
@@ -42,6 +43,7 @@ MAX_RESPONSE_TOKENS = 1 << 22
 MAX_LOGPROB_ENTRIES = 1 << 20
 # A response expected to carry more entries than this is built off the event loop.
 LARGE_RESPONSE_ENTRIES = 1 << 14
+MAX_LISTED_ADAPTERS = 16  # adapter names a 404 lists
 
 
 class OpenAIServing:
@@ -54,26 +56,40 @@ class OpenAIServing:
         # what a body leaves unset gets (the model's generation_config.json)
         self.sampling_defaults = engine.inputs.sampling_defaults
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{' or '.join(map(repr, self.model_names))}", "model",
-                           "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the base model (or no name); 404 in
+        OpenAI's model-not-found shape for any other name."""
+        if model is None or model in self.model_names:
+            return None
+        lora = self.engine.lora.get(model)
+        if lora is not None:
+            return lora
+        adapters = [a.lora_name for a in self.engine.lora.adapters()[:MAX_LISTED_ADAPTERS]]
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{' or '.join(map(repr, self.model_names + adapters))}", "model",
+                       "model_not_found")
+
+    def reported_model(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's name, else the served model's."""
+        return self.model_name if lora is None else lora.lora_name
 
     def check_alive(self) -> None:
         if self.engine.dead is not None:
             raise APIError(503, f"the engine is not available: {self.engine.dead}")
 
     def process(self, prompt: Any, params: Any, add_special_tokens: bool = True,
-                constraint: Constraint | None = None) -> ProcessedInput:
+                constraint: Constraint | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedInput:
         """Tokenize and validate (`constraint` says which body field the constraint came
         from, for the 400's wording). A constraint the grammar engine has not checked before
-        is left `unchecked`: `off_loop` checks it, off the input thread."""
+        is left `unchecked`: `off_loop` checks it, off the input thread. `lora_request`: the
+        adapter `check_model` found."""
         def describe(e: StructuredOutputsError) -> APIError:
             return constraint.describe(e) if constraint else APIError.bad_request(e)
         try:
             processed = self.engine.process_inputs(prompt, params, add_special_tokens,
-                                                   check_constraint=False)
+                                                   check_constraint=False,
+                                                   lora_request=lora_request)
         except StructuredOutputsError as e:
             raise describe(e) from None
         except ValueError as e:

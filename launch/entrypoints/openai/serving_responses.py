@@ -107,7 +107,7 @@ class OpenAIServingResponses:
             "status": status, "background": False, "error": error,
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
-            "model": self.chat.model_name, "output": output,
+            "model": run.model, "output": output,
             "parallel_tool_calls": tools.parallel,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},

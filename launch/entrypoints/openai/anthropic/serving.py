@@ -51,7 +51,7 @@ class AnthropicServingMessages:
         items = whole_items(run.answers.parts(seq.text))
         stop_reason, stop_sequence = _stop(seq, items)
         return json_response({
-            "id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name,
+            "id": mid, "type": "message", "role": "assistant", "model": run.model,
             "content": [_block(item) for item in items], "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": _usage(len(out.prompt_token_ids), len(seq.token_ids),
@@ -77,7 +77,7 @@ class AnthropicServingMessages:
         try:
             yield _event("message_start", message={
                 "id": mid, "type": "message", "role": "assistant", "content": [],
-                "model": self.chat.model_name, "stop_reason": None, "stop_sequence": None,
+                "model": run.model, "stop_reason": None, "stop_sequence": None,
                 "usage": _usage(len(run.inputs.prompt_token_ids), 0, 0)})
             async for out, seq, delta in self.chat.answer_deltas(run, mid):
                 generated += len(seq.token_ids)
