@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any
 
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 
@@ -51,12 +52,14 @@ class Request:
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
                  "length_end", "scheduled_time", "block_hash_extra_keys", "spec_token_ids",
-                 "spec_state", "min_tokens", "structured_output")
+                 "spec_state", "min_tokens", "structured_output", "pooling_params",
+                 "reads_prefix_cache")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None,
-                 block_hash_extra_keys: tuple[int | str, ...] = ()) -> None:
+                 block_hash_extra_keys: tuple[int | str, ...] = (),
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -97,6 +100,11 @@ class Request:
         # Its grammar state (a StructuredOutputRequest) once its grammar is ready; None while
         # it waits for it, and always for an unconstrained request.
         self.structured_output: Any = None
+        # A pooling request runs its prompt once and finishes with the pooler's result.
+        self.pooling_params = pooling_params
+        # False when its result needs every prompt position's hidden state (MEAN, CLS, per
+        # token): prefix-cache hits would skip positions, so none are read.
+        self.reads_prefix_cache = True
 
     @property
     def num_tokens(self) -> int:

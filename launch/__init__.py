@@ -4,7 +4,16 @@ from launch.async_llm import AsyncLLM
 from launch.errors import EngineDeadError
 from launch.llm import LLM
 from launch.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
-from protocol import SamplingParams, StructuredOutputsParams
+from launch.pooling_outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+)
+from protocol import PoolerConfig, PoolingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "EngineDeadError",
-           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "PoolingParams", "PoolerConfig", "PoolingRequestOutput", "PoolingOutput",
+           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput"]

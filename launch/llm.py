@@ -15,6 +15,7 @@ from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
 from launch.metrics.stats import IterationStats
 from launch.offline_chat import ChatOptions, attach_messages, constrained, plan_conversation
+from launch.offline_pooling import PoolingMixin
 from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.input_processor import PromptType, per_prompt
@@ -23,8 +24,9 @@ from launch.processing.request_state import RequestState
 from protocol import SamplingParams
 
 
-class LLM:
-    """Starts the engine and serves `generate` calls; takes the engine options of
+class LLM(PoolingMixin):
+    """Starts the engine and serves `generate` calls (and, with `runner="pooling"`, the
+    pooling calls `embed`, `classify`, `score`, `encode`); takes the engine options of
     `EngineConfig` as keyword arguments. Tokenization and detokenization happen here, in the
     front-end. `shutdown()`, or leaving a `with LLM(...)` block, stops every process. Calls
     from several threads are served one at a time."""

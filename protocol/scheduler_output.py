@@ -17,6 +17,7 @@ import msgspec
 
 from protocol.draft_tokens import DraftTokens
 from protocol.int_column import IntColumn
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
 
@@ -39,6 +40,7 @@ class NewRequestData(WireStruct):
     # Tokens whose KV is already in `block_ids` (the prefix-cache hit length).
     num_computed_tokens: int = 0
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 class CachedRequestData(WireStruct):

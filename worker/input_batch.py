@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from protocol.int_column import IntColumn
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import GREEDY_EPS
 from protocol.scheduler_output import GrammarBitmask, NewRequestData, SchedulerOutput
 from worker.sample.metadata import SamplingMetadata
@@ -46,6 +47,7 @@ class InputBatch:
         self.num_blocks = np.zeros(rows, np.int64)
         self.row_of_handle = np.full(rows, -1, np.int64)
         self.request_ids: list[str | None] = [None] * rows
+        self.pooling_params: list[PoolingParams | None] = [None] * rows  # pooling requests'
         self.sampling = SamplingTable(rows)
         self._free_rows = list(range(rows))
 
@@ -117,12 +119,14 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self.request_ids[row] = new.request_id
+        self.pooling_params[row] = new.pooling_params
         self.sampling.set_row(row, new.sampling_params, new.eos_token_id, self.device)
 
     def _remove(self, handle: int) -> None:
         row = self._row(handle)
         self.row_of_handle[handle] = -1
         self.request_ids[row] = None
+        self.pooling_params[row] = None
         self.sampling.clear_row(row)
         heapq.heappush(self._free_rows, row)
 
@@ -146,6 +150,7 @@ class InputBatch:
             grown[:old] = array
             setattr(self, name, grown)
         self.request_ids += [None] * old
+        self.pooling_params += [None] * old
         self.sampling.grow(2 * old)
         for row in range(old, 2 * old):
             heapq.heappush(self._free_rows, row)

@@ -17,6 +17,8 @@ from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.layers.quantization.registry import resolve_quantization
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
+from worker.pooling.pooler import Pooler
+from worker.pooling.pooling_head import PoolingHead
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -34,6 +36,8 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.runner == "auto" or config.runner == "pooling" and not config.pooler_config:
+            config = config.with_runner()  # resolved by the front-end as a rule
         self.config = config
         self.tp = tp or TensorParallel()
         self.device = resolve_device(config.device, self.tp.rank)
@@ -56,7 +60,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
-                                self.tp, self.attention, self.max_model_len, self.quantization)
+                                self.tp, self.attention, self.max_model_len, self.quantization,
+                                config.convert)
         self.weights_summary = weights_summary(self.model, self.quantization)
         self.kv_cache_spec = self.model.kv_cache_spec()
         self.sampler = Sampler(config.seed, self.device)
@@ -76,6 +81,12 @@ class ModelRunner:
                                       num_kv_blocks=self.num_blocks,
                                       vocab_size=self.model_config.vocab_size)
         self.last_step = 0
+        # The step's end, given its hidden states: sampling, or a pooling model's pooler.
+        self.output_head = self._sampled_output
+        if config.runner == "pooling":
+            classifier = self.model.classify if config.convert == "classify" else None
+            self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
+                                           self.input_batch, answers=self.tp.rank == 0)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -109,6 +120,11 @@ class ModelRunner:
         step = prepare_step(self.input_batch, so)
         self.attention.plan(step.metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        return self.output_head(so, step, hidden)
+
+    def _sampled_output(self, so: SchedulerOutput, step: StepInputs,
+                        hidden: torch.Tensor) -> ModelRunnerOutput:
+        """A generating model's end of a step: sample, and let a draft model propose."""
         tokens, logprobs = self._sample(so, step, hidden)
         output = _output(step.req_ids, step.sampled, tokens, logprobs, so.step)
         if self.drafter is not None:

@@ -44,8 +44,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, capped so its last token is recomputed
-        (the model must run on at least one token to produce logits)."""
-        if not self.enable_caching:
+        (the model must run on at least one token to produce logits). None for a request
+        that must compute every position (a pooling request that reads them all)."""
+        if not self.enable_caching or not request.reads_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_block_hashes(request, max_blocks)

@@ -12,6 +12,7 @@ from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
+from launch.processing.pooling import PoolingModelInfo
 from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
 from protocol import EngineConfig
 from worker.layers.quantization.registry import resolve_quantization
@@ -28,6 +29,7 @@ def start_engine(model: str, engine_args: dict[str, Any]
         raise ValueError(f"model must be a Hugging Face style directory, a .gguf file, a "
                          f"known name or a Hugging Face org/name, got {model!r}")
     config = with_draft_model(EngineConfig.create(model=os.path.abspath(model), **engine_args))
+    config = config.with_runner()  # --runner/--convert auto resolved once, for every process
     _check_quantization(config)
     if config.worker_secret_file is not None:
         read_secret_file(config.worker_secret_file)  # one clear line now, not in the engine
@@ -40,8 +42,9 @@ def start_engine(model: str, engine_args: dict[str, Any]
     except BaseException:
         engine.shutdown()
         raise
-    return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
-                                  config.max_logprobs)
+    inputs = InputProcessor(tokenizer, stop_token_ids, ready, config.model, config.max_logprobs)
+    inputs.pooling = PoolingModelInfo.of(config)
+    return engine, inputs
 
 
 def with_draft_model(config: EngineConfig) -> EngineConfig:
