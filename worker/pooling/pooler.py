@@ -131,8 +131,10 @@ class Pooler:
     # --- heads -----------------------------------------------------------------------------
 
     def _head(self, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """[n, hidden] float32 -> the task's [n, d] result (n = 1 for a sequence task)."""
-        if params.task in ("classify", "token_classify"):
+        """[n, hidden] float32 -> the task's [n, d] result (n = 1 for a sequence task);
+        no task means the model's own."""
+        if params.task in ("classify", "token_classify") or (
+                params.task is None and self.classifier is not None):
             if self.classifier is None:
                 raise PoolerStateError(f"task {params.task} needs a classification model")
             logits = self.classifier(pooled)
