@@ -20,6 +20,7 @@ from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.input_processor import PromptType, per_prompt
 from launch.processing.output_processor import OutputProcessor, ProcessedOutputs
+from launch.processing.pooling import POOLING_ONLY
 from launch.processing.request_state import RequestState
 from protocol import SamplingParams
 
@@ -100,6 +101,8 @@ class LLM(PoolingMixin):
         `tool_choice`, `parallel_tool_calls` and `response_format` mean what they mean to
         the chat route, and `tool_call_parser`/`reasoning_parser` what `serve`'s flags do;
         each sequence's parsed answer (content, reasoning, tool_calls) is its `message`."""
+        if self.inputs.pooling is not None:
+            raise ValueError(POOLING_ONLY)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = per_prompt(sampling_params, len(conversations))
         if self.tokenizer is None:

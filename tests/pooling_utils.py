@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import torch
-from model_utils import ARCHS
+from model_utils import ARCHS, save_tiny_tokenizer
 
 from engine_core import EngineCore
 from protocol import AddRequest, EngineConfig, PoolingParams, SamplingParams
@@ -20,11 +20,13 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def make_classifier(directory: str, arch: str = "llama", num_labels: int = 3, seed: int = 0,
-                    **overrides) -> str:
+                    tokenizer: bool = False, **overrides) -> str:
     """A tiny random `*ForSequenceClassification` (pad token 0: prompts avoid it, so HF's
-    last-non-pad pooling is the last token)."""
+    last-non-pad pooling is the last token); with `tokenizer`, model_utils' BPE."""
     import transformers
     config_cls, causal_cls, extra = ARCHS[arch]
+    if tokenizer:
+        overrides = {"vocab_size": save_tiny_tokenizer(directory), **overrides}
     values = {**SMALL, **extra, "num_labels": num_labels, "pad_token_id": 0, **overrides}
     config = getattr(transformers, config_cls)(**values)
     torch.manual_seed(seed)

@@ -77,7 +77,7 @@ class RequestTable:
 
         A request is behind by `num_tokens + placeholders + num_spec - num_computed` tokens,
         capped by the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions
-        stay below max_model_len) and by what the requests before it left of the budget; it
+        stay below max_model_len; a pooling prompt's own length) and by what the requests before it left of the budget; it
         takes none if the tokens in flight already end it by length. Its KV slots must reach
         `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
@@ -87,7 +87,9 @@ class RequestTable:
             n += self.num_spec[handles]
         if long_prefill_token_threshold > 0:
             np.minimum(n, long_prefill_token_threshold, out=n)
-        np.minimum(n, max_model_len - 1 - computed, out=n)
+        # (A running generation request has fewer than max_model_len tokens, or it would have
+        # finished by length; a pooling prompt may fill max_model_len, and all of it runs.)
+        np.minimum(n, np.maximum(max_model_len - 1, tokens) - computed, out=n)
         n[(pending > 0) & (tokens + pending >= self.length_end[handles])] = 0
         np.maximum(n, 0, out=n)
         # Request i gets what is left after requests 0..i-1 took theirs.

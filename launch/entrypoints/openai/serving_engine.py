@@ -26,6 +26,7 @@ from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
+from launch.processing.pooling import POOLING_ONLY
 from launch.processing.request_stream import RequestStream
 from protocol import StructuredOutputsError
 
@@ -53,6 +54,11 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                            f"{' or '.join(map(repr, self.model_names))}", "model",
                            "model_not_found")
+
+    def check_generates(self) -> None:
+        """400 naming the runner when the engine is a pooling model (it generates no text)."""
+        if self.engine.inputs.pooling is not None:
+            raise APIError(400, POOLING_ONLY)
 
     def check_alive(self) -> None:
         if self.engine.dead is not None:
