@@ -18,6 +18,9 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 _GENERATE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
 _CLASSIFY_SUFFIXES = ("ForSequenceClassification",)
 _EMBED_SUFFIXES = ("EmbeddingModel", "Model")
+# sentence-transformers modules a directory may list (modules.json): the model itself, its
+# pooling and normalization. Others (Dense projections, ...) change the vectors: refused.
+_ST_MODULES = ("models.Transformer", "models.Pooling", "models.Normalize")
 
 
 class PoolerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -136,6 +139,11 @@ def sentence_transformers_pooling(model_dir: str) -> dict[str, Any] | None:
     if not isinstance(modules, list):
         return None
     types = [m.get("type", "") for m in modules if isinstance(m, dict)]
+    unknown = [t for t in types if not t.endswith(_ST_MODULES)]
+    if unknown:  # e.g. a Dense projection after pooling: refused, never silently skipped
+        raise ValueError(f"sentence-transformers module(s) {', '.join(unknown)} in "
+                         f"{os.path.join(model_dir, 'modules.json')} are not supported "
+                         f"(supported: {', '.join(_ST_MODULES)})")
     result: dict[str, Any] = {"normalize": any(t.endswith("models.Normalize") for t in types)}
     pooling = next((m for m in modules if isinstance(m, dict)
                     and m.get("type", "").endswith("models.Pooling")), None)

@@ -27,8 +27,16 @@ class PoolingParams(WireStruct):
     task: PoolingTask | None = None
     dimensions: int | None = None
     use_activation: bool | None = None
+    normalize: bool | None = None  # use_activation's older name, folded into it
 
     def __post_init__(self) -> None:
+        if self.normalize is not None:
+            if type(self.normalize) is not bool:
+                raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
+            if self.use_activation is not None and self.use_activation != self.normalize:
+                raise ValueError("normalize and use_activation disagree (normalize is "
+                                 "use_activation's older name)")
+            self.use_activation, self.normalize = self.normalize, None
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got "
                              f"{self.task!r}")

@@ -149,6 +149,13 @@ def test_runner_resolution(tmp_path, decoders):
         EngineConfig.create(model=causal, runner="pooling", async_scheduling=True)
     with pytest.raises(ValueError, match="unknown field"):
         PoolerConfig.parse({"pooling": "MEAN"})
+    with open(os.path.join(st, "modules.json")) as f:
+        modules = json.load(f)
+    with open(os.path.join(st, "modules.json"), "w") as f:
+        json.dump(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
+                              "type": "sentence_transformers.models.Dense"}], f)
+    with pytest.raises(ValueError, match="models.Dense .* not supported"):
+        plain(st, "auto", "auto", None)
 
 
 def test_requests_of_the_other_runner_are_refused(decoders):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from model_utils import make_tiny_model
 from pooling_utils import cosine, hf_hidden, hf_pooled
-from server_utils import Server
+from server_utils import CHAT_TEMPLATE, Server
 
 KEY = "pooling-test-key"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
@@ -20,9 +20,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    re
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("embedder")), "llama", tokenizer=True)
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     server = Server(model, "--runner", "pooling", "--pooler-config",
                     '{"pooling_type": "MEAN"}', "--max-model-len", "64",
-                    "--served-model-name", "tiny-embed", api_key=KEY)
+                    "--served-model-name", "tiny-embed", "--chat-template", str(template),
+                    api_key=KEY)
     yield model, server
     server.stop()
 
@@ -90,6 +93,19 @@ def test_rerank_score_and_pooling_routes(served):
                                             "embed_dtype": "float16"}).json()["data"][0]
     assert np.abs(np.frombuffer(base64.b64decode(half["embedding"]), "<f2") - vectors[0]) \
         .max() < 1e-3
+
+
+def test_chat_style_input(served):
+    _, server = served
+    messages = [{"role": "user", "content": "fox"}]
+    rendered = httpx.post(server.url + "/tokenize", headers=server.headers, json={
+        "messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    by_chat = _post(server, "/v1/embeddings", {"messages": messages}).json()
+    by_ids = _post(server, "/v1/embeddings", {"input": [rendered]}).json()
+    assert by_chat["data"][0]["embedding"] == by_ids["data"][0]["embedding"]
+    assert by_chat["usage"]["prompt_tokens"] == len(rendered)
+    both = _post(server, "/v1/embeddings", {"messages": messages, "input": "x"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input"
 
 
 def test_the_front_door(served):

@@ -105,7 +105,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     store = ResponseStore() if responses_store is None else responses_store
     _responses_routes(app, OpenAIServingResponses(chat, store))
     add_messages_routes(app, AnthropicServingMessages(chat))
-    _pooling_routes(app, OpenAIServingPooling(engine, names, inputs))
+    _pooling_routes(app, OpenAIServingPooling(engine, names, inputs, chat))
     _info_routes(app, engine, names, metrics)
     _tokenizer_routes(app, engine, chat)
     return app

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from launch.entrypoints.openai.errors import APIError
-from launch.entrypoints.openai.protocol import completion_prompts
+from launch.entrypoints.openai.protocol import ChatMessage, completion_prompts
 from protocol import PoolingParams
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16")
@@ -67,11 +67,23 @@ class _Encoded(_PoolingFields, kw_only=True):
         return base64.b64encode(to_bytes(data, self.embed_dtype, self.endianness)).decode()
 
 
-class EmbeddingRequest(_Encoded, kw_only=True):
+class _Chat(_Encoded, kw_only=True):
+    """vLLM's chat-style input: `messages` rendered with the model's chat template (no
+    generation prompt unless asked; the template's special tokens, none added)."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+
+    def check_input(self) -> None:
+        if (self.messages is None) == (self.input is None):
+            raise APIError(400, "give either input or messages", "input")
+
+
+class EmbeddingRequest(_Chat, kw_only=True):
     dimensions: Any = None
 
 
-class PoolingRequest(_Encoded, kw_only=True):
+class PoolingRequest(_Chat, kw_only=True):
     task: str | None = None
     dimensions: Any = None
 

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 from fastapi import Request, Response
 
+from launch.async_llm import AsyncLLM
+from launch.entrypoints.openai.chat_messages import message_dicts, prompt_chars, render
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
+    _Chat,
     _PoolingFields,
 )
 from launch.entrypoints.openai.protocol import completion_prompts, read_body
+from launch.entrypoints.openai.serving_chat import OpenAIServingChat
 from launch.entrypoints.openai.serving_engine import (
     OpenAIServing,
     json_response,
@@ -40,11 +45,15 @@ LARGE_RESPONSE_FLOATS = 1 << 16
 
 
 class OpenAIServingPooling(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 input_executor: Executor, chat: OpenAIServingChat) -> None:
+        super().__init__(engine, served_model_names, input_executor)
+        self.chat = chat  # renders chat-style inputs with the served chat template
+
     async def embeddings(self, raw: Request) -> Response:
         body = await read_body(raw, EmbeddingRequest)
         body.check_encoding()
-        inputs = await self.prepare(body, body.prompts(), body.pooling_params(
-            "embed", body.dimensions), body.add_special_tokens)
+        inputs = await self.prepare_chat(body, body.pooling_params("embed", body.dimensions))
         rid = request_id("embd")
         outputs = await self.run(raw, rid, inputs, body.priority)
 
@@ -57,8 +66,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def pooling(self, raw: Request) -> Response:
         body = await read_body(raw, PoolingRequest)
         body.check_encoding()
-        inputs = await self.prepare(body, body.prompts(), body.pooling_params(
-            body.task, body.dimensions), body.add_special_tokens)
+        inputs = await self.prepare_chat(body, body.pooling_params(body.task, body.dimensions))
         rid = request_id("pool")
         outputs = await self.run(raw, rid, inputs, body.priority)
 
@@ -104,6 +112,24 @@ class OpenAIServingPooling(OpenAIServing):
             except ValueError as e:
                 raise APIError.bad_request(e) from None
         return await self.off_loop(work)
+
+    async def prepare_chat(self, body: _Chat, params: PoolingParams) -> list[PooledInput]:
+        """`prepare` for a body with `input` or chat `messages` (one rendered prompt)."""
+        body.check_input()
+        if body.messages is None:
+            return await self.prepare(body, body.prompts(), params, body.add_special_tokens)
+        self.check_model(body.model)
+        if self.chat.template is None:
+            raise APIError(400, "the model has no chat template (start the server with "
+                           "--chat-template FILE)", "messages")
+        messages = message_dicts(body.messages)
+        chars, limit = prompt_chars(messages, None), self.engine.inputs.max_prompt_chars
+        if chars > limit:  # bounded before the template runs, as the chat route does
+            raise APIError(400, f"the messages hold {chars} characters, more than a prompt "
+                           f"of the model's max_model_len tokens can ({limit})", "messages")
+        text = await self.off_loop(lambda: render(self.chat.template, messages,
+                                                  body.add_generation_prompt, None))
+        return await self.prepare(body, [text], params, add_special_tokens=False)
 
     async def run(self, raw: Request, rid: str, inputs: list[PooledInput], priority: int = 0,
                   ) -> list[PoolingRequestOutput[PoolingOutput]]:
