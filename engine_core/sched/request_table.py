@@ -77,8 +77,9 @@ class RequestTable:
 
         A request is behind by `num_tokens + placeholders + num_spec - num_computed` tokens,
         capped by the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions
-        stay below max_model_len; a pooling prompt's own length) and by what the requests before it left of the budget; it
-        takes none if the tokens in flight already end it by length. Its KV slots must reach
+        stay below max_model_len; a pooling prompt may fill it) and by what the requests
+        before it left of the budget; it takes none if the tokens in flight already end it by
+        length. Its KV slots must reach
         `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
