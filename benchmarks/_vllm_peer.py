@@ -9,6 +9,9 @@ inside a timed region. Ops:
   generate {prompts: [[ids]], max_tokens, ignore_eos?} -> {seconds, token_ids}  (generate only)
   generate_structured {prompts: [[ids]], schemas: [schema | null], max_tokens, ignore_eos}
                           -> {seconds, token_ids, texts, finish_reasons}   (greedy)
+  embed_init {model, dtype, max_model_len, max_num_seqs, kv_cache_memory_bytes,
+              pooling_type, max_num_batched_tokens?}  -> {version, config}
+  embed {texts: [str]}                 -> {seconds, embeddings, prompt_tokens}  (embed only)
   sched_init {num_requests, prompt_len, block_size, enable_prefix_caching, max_tokens}
   sched_round {steps}                 -> {us: [per-step schedule + update], running}
   quit
@@ -76,6 +79,36 @@ def generate_structured(prompts: list[list[int]], schemas: list, max_tokens: int
     return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "texts": [o.outputs[0].text for o in outs],
             "finish_reasons": [o.outputs[0].finish_reason for o in outs]}
+
+
+def embed_init(model: str, dtype: str, max_model_len: int, max_num_seqs: int,
+               kv_cache_memory_bytes: int, pooling_type: str,
+               max_num_batched_tokens: int | None = None) -> dict:
+    """The model as an embedder, as `vllm serve --runner pooling --convert embed
+    --pooler-config '{"pooling_type": ...}'` would run it."""
+    import vllm
+    from vllm import LLM
+    from vllm.config import PoolerConfig
+    extra = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
+    llm = LLM(model=model, tokenizer=model, dtype=dtype, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=False,
+              kv_cache_memory_bytes=kv_cache_memory_bytes, seed=0, runner="pooling",
+              convert="embed", pooler_config=PoolerConfig(pooling_type=pooling_type), **extra)
+    STATE["llm"] = llm
+    config = llm.llm_engine.vllm_config
+    return {"version": vllm.__version__, "config": {
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "pooler_config": str(config.model_config.pooler_config),
+        "dtype": str(config.model_config.dtype)}}
+
+
+def embed(texts: list[str]) -> dict:
+    start = time.perf_counter()
+    outs = STATE["llm"].embed(texts, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "embeddings": [o.outputs.embedding for o in outs],
+            "prompt_tokens": [len(o.prompt_token_ids) for o in outs]}
 
 
 def sched_init(model: str, num_requests: int, prompt_len: int, block_size: int,
@@ -169,7 +202,8 @@ def sched_round(steps: int) -> dict:
 
 
 OPS = {"offline_init": offline_init, "generate": generate,
-       "generate_structured": generate_structured, "sched_init": sched_init,
+       "generate_structured": generate_structured, "embed_init": embed_init, "embed": embed,
+       "sched_init": sched_init,
        "sched_round": sched_round}
 
 

@@ -20,6 +20,7 @@ from protocol.engine_messages import (
 from protocol.kv_events import KVEvent
 from protocol.lora import AddLoRA, RemoveLoRA
 from protocol.model_runner_output import ModelRunnerOutput
+from protocol.pooler_config import PoolerConfig
 from protocol.scheduler_output import SchedulerOutput
 
 
@@ -47,8 +48,12 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, executor: ModelExecutor,
                  max_logprobs: int = 20,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 pooler_config: PoolerConfig | None = None) -> None:
         self.scheduler = scheduler
+        # A pooling engine (--runner pooling) takes only pooling requests, a generating one
+        # only the others.
+        self.pooler_config = pooler_config
         self.executor = executor
         self.max_logprobs = max_logprobs
         self.structured_output = structured_output or StructuredOutputManager()
@@ -78,7 +83,10 @@ class EngineCore:
         structured_output = StructuredOutputManager(
             config.model, vocab_size, config.structured_outputs_compile_timeout_s,
             GrammarLimits.of(config), config.structured_outputs_mask_wait_ms / 1000)
-        return EngineCore(scheduler, executor, config.max_logprobs, structured_output)
+        if config.runner == "auto" or config.runner == "pooling" and not config.pooler_config:
+            config = config.with_runner()  # resolved by the front-end as a rule
+        return EngineCore(scheduler, executor, config.max_logprobs, structured_output,
+                          config.pooler_config)
 
     def record_kv_events(self) -> None:
         """Log the prefix cache's changes as KV-cache events (before the first step)."""
@@ -93,8 +101,10 @@ class EngineCore:
         """Queue a request; a request that can never run finishes at once with an error."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                           message.arrival_time, message.priority, message.eos_token_id,
-                          lora_request=message.lora_request)
+                          lora_request=message.lora_request,
+                          pooling_params=message.pooling_params)
         try:
+            self._check_runner(request)
             if request.lora_request is not None and self.scheduler.lora_slots.max_loras is None:
                 raise ValueError(f"request {message.request_id!r} names LoRA adapter "
                                  f"{request.lora_request.lora_name!r}, but LoRA is not enabled "
@@ -108,6 +118,19 @@ class EngineCore:
             return [EngineCoreOutput(message.request_id, [], "error", error=str(e))]
         self.structured_output.add_request(request)  # a constrained request waits for it
         return []
+
+    def _check_runner(self, request: Request) -> None:
+        pooling = request.pooling_params
+        if self.pooler_config is None:
+            if pooling is not None:
+                raise ValueError("a pooling request to a generating model: the engine runs "
+                                 "with --runner generate (start it with --runner pooling)")
+            return
+        if pooling is None:
+            raise ValueError("a generation request to a pooling model: the engine runs with "
+                             "--runner pooling, which generates no text")
+        request.reads_prefix_cache = not (pooling.per_token
+                                          or self.pooler_config.needs_every_position)
 
     def abort_requests(self, message: AbortRequests) -> list[EngineCoreOutput]:
         return self.scheduler.finish_requests(message.request_ids)

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from protocol.lora import LoRARequest, lora_hash_keys
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 
@@ -52,13 +53,15 @@ class Request:
                  "num_computed_tokens", "status", "req_id", "block_hashes", "num_cached_tokens",
                  "stop_reason", "max_tokens", "num_output_placeholders", "stop_tokens",
                  "length_end", "scheduled_time", "block_hash_extra_keys", "spec_token_ids",
-                 "spec_state", "min_tokens", "structured_output", "mask_late", "lora_request")
+                 "spec_state", "min_tokens", "structured_output", "mask_late", "lora_request",
+                 "pooling_params", "reads_prefix_cache")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None,
                  block_hash_extra_keys: tuple[int | str, ...] = (),
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -104,6 +107,11 @@ class Request:
         # Its next mask was not ready when a step was scheduled: it sits out the steps until
         # the engine says it caught up (Scheduler.hold/release).
         self.mask_late = False
+        # A pooling request runs its prompt once and finishes with the pooler's result.
+        self.pooling_params = pooling_params
+        # False when its result needs every prompt position's hidden state (MEAN, CLS, per
+        # token): prefix-cache hits would skip positions, so none are read.
+        self.reads_prefix_cache = True
 
     @property
     def num_tokens(self) -> int:

@@ -28,11 +28,14 @@ from launch.errors import EngineDeadError
 from launch.lora.registry import LoRARegistry
 from launch.metrics.stats import IterationStats, StatLogger
 from launch.outputs import RequestOutput, RequestOutputKind
+from launch.pooling_outputs import PoolingRequestOutput
 from launch.processing.input_processor import ProcessedInput, PromptType
 from launch.processing.output_processor import OutputProcessor
+from launch.processing.pooling import PooledInput
+from launch.processing.pooling_state import POOLING_SAMPLING, PoolingRequestState
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
-from protocol import SamplingParams, SchedulerStats
+from protocol import PoolingParams, SamplingParams, SchedulerStats
 from protocol.lora import LoRARequest
 
 logger = logging.getLogger("deltaserve")
@@ -150,6 +153,46 @@ class AsyncLLM:
                                      lora_request=lora_request)
         await self.check_constraint(inputs)
         stream = self.add_request(request_id, inputs, priority, output_kind)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort_request(request_id)
+
+    def process_pooling_inputs(self, prompt: PromptType, params: PoolingParams | None,
+                               task: str | None = None, add_special_tokens: bool = True,
+                               truncate_prompt_tokens: int | None = None,
+                               truncation_side: str | None = None) -> PooledInput:
+        """`process_inputs` for a pooling engine: ValueError naming the field, or the runner
+        for a generating one."""
+        return self.inputs.process_pooling(prompt, params, task, add_special_tokens,
+                                           truncate_prompt_tokens, truncation_side)
+
+    def add_pooling_request(self, request_id: str, inputs: PooledInput,
+                            priority: int = 0) -> RequestStream:
+        """Submit a processed pooling request now; its one output arrives on the stream."""
+        self._check_alive()
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.start()
+        state = PoolingRequestState.of(request_id, inputs)
+        self.engine.add_requests([self.inputs.make_request(
+            request_id, inputs.prompt_token_ids, POOLING_SAMPLING, state.times.arrival,
+            priority, pooling_params=inputs.params)])
+        self.output_processor.add_request(state)
+        stream = self.streams[request_id] = RequestStream(state, RequestOutputKind.FINAL_ONLY)
+        return stream
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, priority: int = 0,
+                     pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+                     ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Yield the request's pooled output once it is ready (vLLM's `AsyncLLM.encode`)."""
+        request_id = request_id if request_id is not None else f"async-{id(object())}"
+        inputs = self.process_pooling_inputs(prompt, pooling_params, pooling_task,
+                                             truncate_prompt_tokens=truncate_prompt_tokens)
+        stream = self.add_pooling_request(request_id, inputs, priority)
         try:
             async for out in stream:
                 yield out

@@ -16,17 +16,20 @@ from launch.errors import EngineDeadError
 from launch.lora.registry import LoRARegistry, per_prompt_lora
 from launch.metrics.stats import IterationStats
 from launch.offline_chat import ChatOptions, attach_messages, constrained, plan_conversation
+from launch.offline_pooling import PoolingMixin
 from launch.outputs import RequestOutput
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.input_processor import PromptType, per_prompt
 from launch.processing.output_processor import OutputProcessor, ProcessedOutputs
+from launch.processing.pooling import POOLING_ONLY
 from launch.processing.request_state import RequestState
 from protocol import SamplingParams
 from protocol.lora import LoRARequest
 
 
-class LLM:
-    """Starts the engine and serves `generate` calls; takes the engine options of
+class LLM(PoolingMixin):
+    """Starts the engine and serves `generate` calls (and, with `runner="pooling"`, the
+    pooling calls `embed`, `classify`, `score`, `encode`); takes the engine options of
     `EngineConfig` as keyword arguments. Tokenization and detokenization happen here, in the
     front-end. `shutdown()`, or leaving a `with LLM(...)` block, stops every process. Calls
     from several threads are served one at a time."""
@@ -109,6 +112,8 @@ class LLM:
         `tool_choice`, `parallel_tool_calls` and `response_format` mean what they mean to
         the chat route, and `tool_call_parser`/`reasoning_parser` what `serve`'s flags do;
         each sequence's parsed answer (content, reasoning, tool_calls) is its `message`."""
+        if self.inputs.pooling is not None:
+            raise ValueError(POOLING_ONLY)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = per_prompt(sampling_params, len(conversations), self.inputs.sampling_defaults)
         if self.tokenizer is None:

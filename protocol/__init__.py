@@ -21,6 +21,8 @@ from protocol.engine_messages import (
 )
 from protocol.int_column import IntColumn
 from protocol.model_runner_output import ModelRunnerOutput, SampleLogprobs
+from protocol.pooler_config import PoolerConfig
+from protocol.pooling_params import PoolingParams
 from protocol.prompt_check import check_prompt
 from protocol.sampling_params import SamplingParams
 from protocol.scheduler_output import (
@@ -50,7 +52,8 @@ __all__ = [
     "EngineCoreOutput", "EngineCoreOutputs", "EngineFailed", "EngineReady", "FinishReason",
     "FrontendToCore", "GrammarError", "GrammarsCompiled", "SchedulerStats", "ShutdownEngine",
     "SpecDecodingStats", "DraftTokens", "IntColumn", "ModelRunnerOutput", "SampleLogprobs",
-    "check_prompt", "SamplingParams", "CachedRequestData", "GrammarBitmask",
+    "check_prompt", "PoolerConfig", "PoolingParams", "SamplingParams", "CachedRequestData",
+    "GrammarBitmask",
     "MaskedSchedulerOutput", "NewRequestData", "SchedulerOutput", "SpecDecodeSchedulerOutput",
     "SpeculativeConfig", "StructuredOutputsError", "StructuredOutputsParams", "CoreToWorker",
     "WorkerError", "WorkerHello", "WorkerInit", "WorkerPing", "WorkerReady", "WorkerShutdown",

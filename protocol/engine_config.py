@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.kv_events import KVEventsConfig, parse_kv_events_config
+from protocol.pooler_config import PoolerConfig, resolve_runner
 from protocol.speculative_config import SpeculativeConfig
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
@@ -16,6 +17,8 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "int8", "none"]
 ExecutorBackend = Literal["mp", "ray"]
+Runner = Literal["auto", "generate", "pooling"]
+Convert = Literal["auto", "none", "embed", "classify"]
 
 
 def _opt(help: str, **extra: Any) -> Meta:
@@ -133,6 +136,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "grammar limit: lexer states one grammar may build (1-2 kB each)")] = 250_000
     structured_outputs_max_grammar_size: Annotated[int, _opt(
         "grammar limit: symbols in a grammar's productions")] = 500_000
+    runner: Annotated[Runner, _opt(
+        "generate: a text generator; pooling: embeddings, classification and scores "
+        "(/v1/embeddings, /pooling, /score, /rerank); auto: pooling for a "
+        "*ForSequenceClassification or *Model checkpoint or a sentence-transformers "
+        "directory, else generate")] = "auto"
+    convert: Annotated[Convert, _opt(
+        "with --runner pooling, what a generating checkpoint becomes: embed (its pooled "
+        "hidden states) or classify (a *ForSequenceClassification score head); auto: from "
+        "the architecture")] = "auto"
+    pooler_config: Annotated[PoolerConfig | None, _opt(
+        "pooling, as JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", \"normalize\": "
+        "true|false (vLLM 0.32: use_activation), \"dimensions\": N}; unset fields come "
+        "from sentence-transformers' modules.json, else LAST and normalized")] = None
 
     def __post_init__(self) -> None:
         for field in msgspec.structs.fields(self):
@@ -177,6 +193,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                              f"({self.max_loras}): a step's adapters must all be loaded")
+        self._check_pooling()
         for rank in self.local_ranks or ():
             if not 0 <= rank < self.tensor_parallel_size:
                 raise ValueError(f"local rank {rank} is outside tensor_parallel_size "
@@ -193,6 +210,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("local_ranks is for the mp backend: with ray, Ray places every "
                              "rank")
 
+    def _check_pooling(self) -> None:
+        if not isinstance(self.pooler_config, (PoolerConfig, type(None))):
+            raise ValueError("pooler_config must be a PoolerConfig (EngineConfig.create also "
+                             "takes JSON text or a dict)")
+        if self.runner != "pooling":
+            return
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not apply to --runner pooling: a "
+                             "pooling model generates no tokens")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling does not apply to --runner pooling: a pooling "
+                             "request ends with its prompt, so there is no next step to "
+                             "overlap")
+
     @staticmethod
     def create(**options: Any) -> EngineConfig:
         """Like the constructor, but an unknown option is a ValueError naming the known ones,
@@ -206,7 +237,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             options["speculative_config"] = SpeculativeConfig.parse(options["speculative_config"])
         if "kv_events_config" in options:
             options["kv_events_config"] = parse_kv_events_config(options["kv_events_config"])
+        if options.get("pooler_config") is not None:
+            options["pooler_config"] = PoolerConfig.parse(options["pooler_config"])
         return EngineConfig(**options)
+
+    def with_runner(self) -> EngineConfig:
+        """This config with `runner`, `convert` and `pooler_config` resolved against the model
+        directory (vLLM's `auto` rules; see protocol/pooler_config.py). Idempotent: every
+        process may call it, the front-end does so before anything starts."""
+        choice = resolve_runner(self.model, self.runner, self.convert, self.pooler_config)
+        if (choice.runner, choice.convert, choice.pooler_config) == (
+                self.runner, self.convert, self.pooler_config):
+            return self
+        return msgspec.structs.replace(self, runner=choice.runner, convert=choice.convert,
+                                       pooler_config=choice.pooler_config)
 
     @property
     def spawned_ranks(self) -> list[int]:

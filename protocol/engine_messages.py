@@ -5,6 +5,7 @@ from typing import Literal
 
 from protocol.lora import AddLoRA, LoRARequest, RemoveLoRA
 from protocol.model_runner_output import SampleLogprobs
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
 
@@ -14,7 +15,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # --- front-end -> engine core -------------------------------------------------------------
 
 class AddRequest(WireStruct, tag=10):
-    """A tokenized request. `arrival_time` is set by the front-end so a replay decides alike."""
+    """A tokenized request. `arrival_time` is set by the front-end so a replay decides alike.
+    A pooling request (to a `--runner pooling` engine) has `pooling_params`; its
+    `sampling_params` are unused."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -23,6 +26,7 @@ class AddRequest(WireStruct, tag=10):
     priority: int = 0
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    pooling_params: PoolingParams | None = None
 
 
 class AddRequests(WireStruct, tag=13):
@@ -80,6 +84,9 @@ class EngineCoreOutput(WireStruct):
     num_cached_tokens: int = 0
     error: str | None = None
     scheduled_time: float | None = None
+    # A pooling request's result (on its only, final output): float32, little-endian; one
+    # vector, or one row per prompt token for a per-token task.
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:

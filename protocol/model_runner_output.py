@@ -25,6 +25,8 @@ class ModelRunnerOutput(WireStruct, tag=2):
     drafts, then the target's own token). `logprobs[i]` holds one entry per sampled token of
     request i when it asked for logprobs, else None; the whole column is None when no request
     asked. `draft_token_ids` are a draft model's proposals for the next step (None without).
+    `pooler_output[i]` is pooling request i's result once its whole prompt has run (float32,
+    little-endian), else None; the column is None in a step without results.
     """
 
     req_ids: list[int]
@@ -32,4 +34,5 @@ class ModelRunnerOutput(WireStruct, tag=2):
     logprobs: list[list[SampleLogprobs] | None] | None = None
     step: int = 0
     draft_token_ids: DraftTokens | None = None
+    pooler_output: list[bytes | None] | None = None
 

@@ -8,15 +8,19 @@ from collections.abc import Sequence
 
 def check_prompt(token_ids: Sequence[int], max_model_len: int, num_usable_blocks: int,
                  block_size: int, vocab_size: int | None = None,
-                 max_kv_tokens: int = 0) -> None:
-    """Raise ValueError if the prompt is empty, leaves no room for output, needs more KV blocks
-    than the whole cache holds, or names a token outside the vocabulary. `max_kv_tokens`: the
-    longest sequence the whole cache holds, where its layer groups differ (sliding windows);
-    0: `num_usable_blocks` blocks of `block_size` tokens."""
+                 max_kv_tokens: int = 0, *, needs_output: bool = True) -> None:
+    """Raise ValueError if the prompt is empty, leaves no room for output (unless it needs
+    none: a pooling prompt may fill max_model_len), needs more KV blocks than the whole cache
+    holds, or names a token outside the vocabulary. `max_kv_tokens`: the longest sequence the
+    whole cache holds, where its layer groups differ (sliding windows); 0: `num_usable_blocks`
+    blocks of `block_size` tokens."""
     n = len(token_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
-    if n >= max_model_len:
+    if not needs_output and n > max_model_len:
+        raise ValueError(f"the prompt has {n} tokens, more than max_model_len="
+                         f"{max_model_len}")
+    if needs_output and n >= max_model_len:
         raise ValueError(f"the prompt has {n} tokens, which leaves no room for output "
                          f"within max_model_len={max_model_len}")
     blocks = -(-n // block_size)

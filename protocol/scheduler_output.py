@@ -18,6 +18,7 @@ import msgspec
 from protocol.draft_tokens import DraftTokens
 from protocol.int_column import IntColumn
 from protocol.lora import LoRARequest
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 from protocol.wire_struct import WireStruct
 
@@ -41,6 +42,7 @@ class NewRequestData(WireStruct):
     num_computed_tokens: int = 0
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None  # its adapter, which workers load by path
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 class CachedRequestData(WireStruct):

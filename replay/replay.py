@@ -74,7 +74,41 @@ def _compare_outputs(recorded: ModelRunnerOutput | None, got: ModelRunnerOutput,
              if a != b]
     if recorded.draft_token_ids != got.draft_token_ids:
         lines.append(f"  draft proposals: recorded {_drafts(recorded)}, replayed {_drafts(got)}")
+    lines += _pooled_differences(recorded, got, names)
     return "\n".join(lines)
+
+
+# Pooled results are floats: a replay matches when each differs from its recording by at
+# most this much, relative to the recording's largest magnitude (threads may sum in
+# another order).
+POOLED_RTOL = 1e-4
+
+
+def _pooled_differences(recorded: ModelRunnerOutput, got: ModelRunnerOutput,
+                        names: dict[int, str]) -> list[str]:
+    """A line per request whose pooled result differs (present or absent, size, values)."""
+    before = recorded.pooler_output or [None] * len(recorded.req_ids)
+    after = got.pooler_output or [None] * len(got.req_ids)
+    lines = []
+    for h, a, b in zip(got.req_ids, before, after):
+        if a is None and b is None:
+            continue
+        va = None if a is None else np.frombuffer(a, "<f4")
+        vb = None if b is None else np.frombuffer(b, "<f4")
+        if va is None or vb is None or va.shape != vb.shape:
+            lines.append(f"  request {names.get(h, '?')} (handle {h}): pooled result recorded "
+                         f"{_shape(va)}, replayed {_shape(vb)}")
+            continue
+        scale = max(float(np.abs(va).max(initial=0.0)), 1e-30)
+        worst = float(np.abs(va - vb).max(initial=0.0))
+        if worst > POOLED_RTOL * scale:
+            lines.append(f"  request {names.get(h, '?')} (handle {h}): pooled result differs "
+                         f"by {worst:.3g} (recorded magnitude {scale:.3g})")
+    return lines
+
+
+def _shape(vector: np.ndarray | None) -> str:
+    return "nothing" if vector is None else f"{len(vector)} floats"
 
 
 def _drafts(output: ModelRunnerOutput) -> dict[int, list[int]] | None:

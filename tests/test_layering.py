@@ -41,6 +41,8 @@ FORBIDDEN = {
     "worker.models": ("worker.sample", "worker.model_runner", "worker.input_batch",
                       "worker.worker_proc", "worker.spec_decode"),
     "worker.spec_decode": ("worker.model_runner", "worker.worker_proc"),
+    "worker.pooling": ("worker.models", "worker.sample", "worker.model_runner",
+                       "worker.worker_proc", "worker.spec_decode"),
     "launch.model_cache": ("launch.processing", "launch.client", "launch.metrics",
                            "launch.entrypoints", "launch.cli", "launch.llm",
                            "launch.async_llm"),

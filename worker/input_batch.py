@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from protocol.int_column import IntColumn
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import GREEDY_EPS
 from protocol.scheduler_output import GrammarBitmask, NewRequestData, SchedulerOutput
 from worker.sample.metadata import SamplingMetadata
@@ -56,6 +57,7 @@ class InputBatch:
         self.lora_ids = np.zeros(rows, np.int64)  # each row's LoRA adapter id (0: none)
         self.row_of_handle = np.full(rows, -1, np.int64)
         self.request_ids: list[str | None] = [None] * rows
+        self.pooling_params: list[PoolingParams | None] = [None] * rows  # pooling requests'
         self.sampling = SamplingTable(rows)
         self._free_rows = list(range(rows))
 
@@ -137,6 +139,7 @@ class InputBatch:
         self._append_blocks(row, new.block_ids)
         self.request_ids[row] = new.request_id
         self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request else 0
+        self.pooling_params[row] = new.pooling_params
         self.sampling.set_row(row, new.sampling_params, new.eos_token_id, self.device)
 
     def _remove(self, handle: int) -> None:
@@ -144,6 +147,7 @@ class InputBatch:
         self.row_of_handle[handle] = -1
         self.request_ids[row] = None
         self.lora_ids[row] = 0
+        self.pooling_params[row] = None
         self.sampling.clear_row(row)
         heapq.heappush(self._free_rows, row)
 
@@ -177,6 +181,7 @@ class InputBatch:
         tables[:, :old] = self.block_tables
         self.block_tables = tables
         self.request_ids += [None] * old
+        self.pooling_params += [None] * old
         self.sampling.grow(2 * old)
         for row in range(old, 2 * old):
             heapq.heappush(self._free_rows, row)

@@ -20,6 +20,8 @@ from worker.lora.manager import make_lora_manager
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.native.prebuild import prebuild
+from worker.pooling.pooler import Pooler
+from worker.pooling.pooling_head import PoolingHead
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -37,6 +39,8 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.runner == "auto" or config.runner == "pooling" and not config.pooler_config:
+            config = config.with_runner()  # resolved by the front-end as a rule
         self.config = config
         self.tp = tp or TensorParallel()
         self.device = resolve_device(config.device, self.tp.rank)
@@ -61,7 +65,8 @@ class ModelRunner:
             prebuild(say=logger.info if self.tp.rank == 0 else None)
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
-                                self.tp, self.attention, self.max_model_len, self.quantization)
+                                self.tp, self.attention, self.max_model_len, self.quantization,
+                                config.convert)
         self.weights_summary = weights_summary(self.model, self.quantization)
         self.kv_cache_spec = dataclasses.replace(
             self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)
@@ -101,6 +106,12 @@ class ModelRunner:
         # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
         self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
         self.last_step = 0
+        # The step's end, given its hidden states: sampling, or a pooling model's pooler.
+        self.output_head = self._sampled_output
+        if config.runner == "pooling":
+            classifier = self.model.classify if config.convert == "classify" else None
+            self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
+                                           self.input_batch, answers=self.tp.rank == 0)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -138,6 +149,11 @@ class ModelRunner:
         for metadata in step.metadata.groups():
             self.attention.plan(metadata)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        return self.output_head(so, step, hidden)
+
+    def _sampled_output(self, so: SchedulerOutput, step: StepInputs,
+                        hidden: torch.Tensor) -> ModelRunnerOutput:
+        """A generating model's end of a step: sample, and let a draft model propose."""
         tokens, logprobs = self._sample(so, step, hidden)
         output = _output(step.req_ids, step.sampled, tokens, logprobs, so.step)
         if self.drafter is not None:

@@ -80,8 +80,9 @@ class KVCacheManager:
                             ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest cached prefix of the request that every group can resume from (per
         group its blocks, null where a window no longer reads), capped so its last token is
-        recomputed (the model must run on at least one token to produce logits)."""
-        if not self.enable_caching:
+        recomputed (the model must run on at least one token to produce logits). Nothing for
+        a request that must compute every position (a pooling request that reads them all)."""
+        if not self.enable_caching or not request.reads_prefix_cache:
             return tuple([] for _ in self.groups), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_block_hashes(request, max_blocks)

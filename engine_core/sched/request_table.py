@@ -81,9 +81,9 @@ class RequestTable:
 
         A request is behind by `num_tokens + placeholders + num_spec - num_computed` tokens,
         capped by the long-prefill threshold, by `max_model_len - 1 - num_computed` (positions
-        stay below max_model_len) and by what the requests before it left of the budget; it
-        takes none if the tokens in flight already end it by length, or while it is held.
-        Its KV slots must reach
+        stay below max_model_len; a pooling prompt may fill it) and by what the requests
+        before it left of the budget; it takes none if the tokens in flight already end it by
+        length, or while it is held. Its KV slots must reach
         `num_lookahead_tokens` past its step (not past max_model_len)."""
         computed, tokens = self.num_computed[handles], self.num_tokens[handles]
         pending = self.placeholders[handles]
@@ -92,7 +92,9 @@ class RequestTable:
             n += self.num_spec[handles]
         if long_prefill_token_threshold > 0:
             np.minimum(n, long_prefill_token_threshold, out=n)
-        np.minimum(n, max_model_len - 1 - computed, out=n)
+        # (A running generation request has fewer than max_model_len tokens, or it would have
+        # finished by length; a pooling prompt may fill max_model_len, and all of it runs.)
+        np.minimum(n, np.maximum(max_model_len - 1, tokens) - computed, out=n)
         n[(pending > 0) & (tokens + pending >= self.length_end[handles])] = 0
         if self.any_held:
             n[self.held[handles] > 0] = 0

@@ -85,7 +85,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         check_prompt(request.prompt_token_ids, self.max_model_len,
                      self.kv_cache_manager.num_usable_blocks, self.block_size, self.vocab_size,
-                     self.max_kv_tokens if len(self.kv_cache_manager.groups) > 1 else 0)
+                     self.max_kv_tokens if len(self.kv_cache_manager.groups) > 1 else 0,
+                     needs_output=request.pooling_params is None)
         if request.status not in _QUEUED or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled")
         request.length_end = min(request.length_end, self.max_seq_len)
@@ -207,6 +208,8 @@ class Scheduler:
                                             scheduled_time=request.scheduled_time
                                             if request.num_output_tokens == len(token_ids) else None))
         self.table.record_sampled(answer_rows(scheduler_output, model_runner_output, irregular))
+        if model_runner_output.pooler_output:
+            outputs += self._finish_pooled(model_runner_output, stopped)
         if stopped:
             self._finish_stopped(stopped)
         self.speculator.update(scheduler_output, model_runner_output)
@@ -381,6 +384,22 @@ class Scheduler:
             return token_ids, None
         stopped.append((request, was_waiting))
         return token_ids, FINISH_REASONS[request.status]
+
+    def _finish_pooled(self, model_runner_output: ModelRunnerOutput,
+                       stopped: list[tuple[Request, bool]]) -> list[EngineCoreOutput]:
+        """Pooling requests whose prompt has run: each finishes ("stop") with its result."""
+        outputs = []
+        for req_id, data in zip(model_runner_output.req_ids, model_runner_output.pooler_output):
+            request = self.requests_by_handle.get(req_id)
+            if data is None or request is None or request.pooling_params is None:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            stopped.append((request, False))
+            outputs.append(EngineCoreOutput(request.request_id, [], "stop",
+                                            num_cached_tokens=request.num_cached_tokens,
+                                            scheduled_time=request.scheduled_time,
+                                            pooling_output=data))
+        return outputs
 
     def _finish_stopped(self, stopped: list[tuple[Request, bool]]) -> None:
         for request, was_waiting in stopped:

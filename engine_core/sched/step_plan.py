@@ -110,8 +110,8 @@ class StepPlan:
         new_reqs = [NewRequestData(
             request.req_id, request.request_id, request.prompt_token_ids,
             request.sampling_params, kv_cache_manager.get_block_ids(request.request_id),
-            request.num_computed_tokens, request.eos_token_id, request.lora_request)
-            for request, _ in self.new]
+            request.num_computed_tokens, request.eos_token_id, request.lora_request,
+            pooling_params=request.pooling_params) for request, _ in self.new]
         handles = self.req_ids
         cached = CachedRequestData(_column(handles, max_handle),
                                    _column(table.num_computed[handles], max_model_len),

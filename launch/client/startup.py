@@ -13,6 +13,7 @@ from launch.client.dp_client import DPEngineClient
 from launch.client.engine_client import EngineClient
 from launch.model_cache.cache import resolve_model
 from launch.processing.input_processor import InputProcessor
+from launch.processing.pooling import PoolingModelInfo
 from launch.processing.sampling_defaults import load_sampling_defaults
 from launch.processing.tokenizer import load_tokenizer, stop_token_ids_of
 from protocol import EngineConfig
@@ -30,6 +31,7 @@ def start_engine(model: str, engine_args: dict[str, Any]
         raise ValueError(f"model must be a Hugging Face style directory, a .gguf file, a "
                          f"known name or a Hugging Face org/name, got {model!r}")
     config = with_draft_model(EngineConfig.create(model=os.path.abspath(model), **engine_args))
+    config = config.with_runner()  # --runner/--convert auto resolved once, for every process
     _check_quantization(config)
     defaults = load_sampling_defaults(config.model, config.generation_config)
     if config.worker_secret_file is not None:
@@ -45,8 +47,10 @@ def start_engine(model: str, engine_args: dict[str, Any]
         raise
     grammars = GrammarValidator.from_config(config, ready.vocab_size,
                                             stop_token_ids[0] if stop_token_ids else None)
-    return engine, InputProcessor(tokenizer, stop_token_ids, ready, config.model,
-                                  config.max_logprobs, grammars, defaults)
+    inputs = InputProcessor(tokenizer, stop_token_ids, ready, config.model,
+                            config.max_logprobs, grammars, defaults)
+    inputs.pooling = PoolingModelInfo.of(config)
+    return engine, inputs
 
 
 def with_draft_model(config: EngineConfig) -> EngineConfig:

@@ -20,12 +20,20 @@ import msgspec
 
 from engine_core.structured_output.grammar import check_grammar
 from engine_core.structured_output.grammar_validator import GrammarValidator
+from launch.processing.pooling import (
+    GENERATE_ONLY,
+    POOLING_ONLY,
+    PooledInput,
+    PoolingModelInfo,
+    truncate,
+)
 from launch.processing.tokenizer import max_token_chars
 from protocol import (
     AddRequest,
     Channel,
     Codec,
     EngineReady,
+    PoolingParams,
     ProtocolError,
     SamplingParams,
     StructuredOutputsError,
@@ -72,6 +80,8 @@ class InputProcessor:
         # A text longer than this cannot tokenize into max_model_len tokens (unless the
         # tokenizer's normalizer drops characters): it is refused before tokenizing.
         self.max_prompt_chars = ready.max_model_len * max_token_chars(tokenizer)
+        # What a pooling engine serves (set by start_engine); None: a generating engine.
+        self.pooling: PoolingModelInfo | None = None
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True
                  ) -> tuple[str | None, list[int]]:
@@ -106,6 +116,8 @@ class InputProcessor:
         """Check the prompt and parameters against the engine's limits; fill in defaults.
         A constraint is checked too (waiting for the grammar engine, up to its deadline),
         unless `check_constraint` is False (then see `constraint_known`)."""
+        if self.pooling is not None:
+            raise ValueError(POOLING_ONLY)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(params).__name__}")
@@ -147,16 +159,40 @@ class InputProcessor:
             return True
         return self.grammars.verdict(constraint)
 
+    def process_pooling(self, prompt: PromptType, params: PoolingParams | None,
+                        task: str | None = None, add_special_tokens: bool = True,
+                        truncate_prompt_tokens: int | None = None,
+                        truncation_side: str | None = None) -> PooledInput:
+        """A pooling prompt tokenized, truncated as asked and checked, and its parameters
+        resolved against the model (`task` None: the params' or the model's own)."""
+        if self.pooling is None:
+            raise ValueError(GENERATE_ONLY)
+        side = truncation_side or getattr(self.tokenizer, "truncation_side", None) or "right"
+        if side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+        if (isinstance(prompt, str) and truncate_prompt_tokens is not None
+                and len(prompt) > self.max_prompt_chars):  # as vLLM: cut the text first
+            limit = self.max_prompt_chars
+            prompt = prompt[-limit:] if side == "left" else prompt[:limit]
+        text, ids = self.tokenize(prompt, add_special_tokens)
+        ids = truncate(ids, truncate_prompt_tokens, self.ready.max_model_len, side)
+        resolved = self.pooling.resolve(params, task)
+        ready = self.ready
+        check_prompt(ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
+                     ready.vocab_size, ready.max_kv_tokens, needs_output=False)
+        return PooledInput(text, ids, resolved)
+
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, priority: Any = 0,
-                     lora_request: LoRARequest | None = None) -> AddRequest:
+                     lora_request: LoRARequest | None = None,
+                     pooling_params: PoolingParams | None = None) -> AddRequest:
         """The request exactly as the engine core will decode it."""
         if type(priority) is not int or not -(1 << 63) <= priority < 1 << 63:
             raise ValueError(f"priority must be a 64-bit int, got {priority!r}")
         if params.stop:  # matched here, in the front-end: the engine never needs them
             params = msgspec.structs.replace(params, stop=None)
         request = AddRequest(request_id, token_ids, params, arrival_time, priority,
-                             self.eos_token_id, lora_request)
+                            self.eos_token_id, lora_request, pooling_params)
         try:
             frame = self._codec.encode(request)
             self._codec.decode(frame)

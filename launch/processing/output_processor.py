@@ -135,6 +135,8 @@ def _account(state: RequestState, out: EngineCoreOutput, stats: IterationStats) 
     if out.scheduled_time is not None and times.queued_s is None:
         times.queued_s = max(0.0, out.scheduled_time - times.arrival)
     if not n:
+        if out.pooling_output is not None:  # a pooling request's only output: its prompt ran
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
         return
     stats.num_generation_tokens += n
     if times.first_token is None:

@@ -34,6 +34,7 @@ from worker.layers.quantization.int8 import (
 from worker.layers.quantization.unquantized import UnquantizedConfig
 from worker.models.config import ModelConfig
 from worker.models.gguf_checkpoint import GGUFCheckpoint, gguf_file_of
+from worker.models.pooling_adapter import PoolingModel
 from worker.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,13 +46,14 @@ _EXPERT_TENSOR = re.compile(r"(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?(?P
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend, max_positions: int,
-               quantization: str = "none") -> nn.Module:
+               quantization: str = "none", convert: str = "none") -> nn.Module:
     """The architecture's class from the registry, built on `device` and loaded, its weights
     as `quantization` (resolved: gguf, int8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
-    every weight is loaded, each layer's weight method finishes its weights (e.g. packs them)."""
+    every weight is loaded, each layer's weight method finishes its weights (e.g. packs them).
+    `convert` (embed, classify) makes it a pooling model (worker/models/pooling_adapter.py)."""
     cls = model_class(config.architecture)
     gguf_file = (GGUFCheckpoint(gguf_file_of(model_dir, config.hf["quantization_config"]))
                  if config.quantization == "gguf" else None)
@@ -61,7 +63,10 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
                                  config.tie_word_embeddings)
     with torch.device(device):
         model = cls(config, tp, backend, max_positions, quant_config)
-    keep_float32 = {id(p) for m in model.modules() if isinstance(m, RMSNorm)
+        if convert != "none":
+            model = PoolingModel(model, convert)
+    keep_float32 = {id(p) for m in model.modules()
+                    if isinstance(m, RMSNorm) or getattr(m, "keep_float32", False)
                     for p in m.parameters()}
     for param in model.parameters():  # each shared (tied) parameter once
         if param.is_floating_point() and id(param) not in keep_float32:
@@ -129,8 +134,11 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    rename = getattr(model, "checkpoint_name", None)  # a model that places names itself
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if rename is not None and (name := rename(name)) is None:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue

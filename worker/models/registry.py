@@ -38,6 +38,9 @@ _MODELS: dict[str, tuple[str, str, ConfigAdapter | Gemma3Adapter]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", MIXTRAL),  # without sliding window
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# A pooling checkpoint of a supported family runs on its generating class's decoder
+# (worker/models/pooling_adapter.py), e.g. Qwen3ForSequenceClassification, Qwen3Model.
+_POOLING_SUFFIXES = ("ForSequenceClassification", "Model")
 _BY_MODEL_TYPE = {adapter.model_type: arch for arch, (_, _, adapter) in _MODELS.items()}
 
 
@@ -57,11 +60,16 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def _architecture(hf: dict[str, Any]) -> str:
-    """The first supported name in `architectures`; without any, the one of `model_type`."""
+    """The first supported name in `architectures` (a pooling checkpoint's
+    `*ForSequenceClassification` or `*Model` names its generating architecture's decoder);
+    without any, the one of `model_type`."""
     archs = hf.get("architectures") or []
     for arch in archs:
         if arch in _MODELS:
             return arch
+        for suffix in _POOLING_SUFFIXES:
+            if arch.endswith(suffix) and (base := arch[:-len(suffix)] + "ForCausalLM") in _MODELS:
+                return base
     if not archs and hf.get("model_type") in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[hf["model_type"]]
     raise UnsupportedModelError(

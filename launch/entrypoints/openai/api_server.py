@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server (`deltaserve serve`): a FastAPI app on `AsyncLLM`.
 
 Routes: GET /health, /v1/models, /version, /metrics; POST /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize; the Responses API (`serving_responses`) and
-Anthropic's Messages API (`anthropic/`); LoRA adapters' load and unload (`serving_lora`). Every error is OpenAI's JSON shape (Anthropic's on
+/v1/chat/completions, /tokenize, /detokenize; the Responses API (`serving_responses`),
+Anthropic's Messages API (`anthropic/`); a pooling model's /v1/embeddings, /pooling,
+/classify (`serving_pooling`), /score and /rerank (`serving_score`); LoRA adapters' load and
+unload (`serving_lora`). Every error is OpenAI's JSON shape (Anthropic's on
 its routes); with an API key, every route but the OPEN_PATHS (vLLM's health and monitoring
 routes) wants `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`.
 """
@@ -41,7 +43,9 @@ from launch.entrypoints.openai.serving_lora import (
     OpenAIServingLoRA,
     add_lora_routes,
 )
+from launch.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from launch.entrypoints.openai.serving_responses import OpenAIServingResponses
+from launch.entrypoints.openai.serving_score import OpenAIServingScore
 from launch.metrics.prometheus import PrometheusStatLogger
 from launch.processing.chat_template import ChatTemplate
 
@@ -114,6 +118,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], *,
     store = ResponseStore() if responses_store is None else responses_store
     _responses_routes(app, OpenAIServingResponses(chat, store))
     add_messages_routes(app, AnthropicServingMessages(chat))
+    _pooling_routes(app, OpenAIServingPooling(engine, names, inputs, chat))
     _info_routes(app, engine, names, metrics, lora)
     _tokenizer_routes(app, engine, chat)
     return app
@@ -125,6 +130,19 @@ def _responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
     app.delete("/v1/responses/{response_id}")(responses.delete)
     app.post("/v1/responses/{response_id}/cancel")(responses.cancel)
     app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
+
+
+def _pooling_routes(app: FastAPI, pooling: OpenAIServingPooling) -> None:
+    """Embeddings, pooling, classification and scores (a pooling model's; a 400 naming the
+    runner on a generating one), under vLLM's paths."""
+    app.post("/v1/embeddings")(pooling.embeddings)
+    app.post("/pooling")(pooling.pooling)
+    app.post("/classify")(pooling.classify)
+    score = OpenAIServingScore(pooling)
+    for path in ("/score", "/v1/score"):
+        app.post(path)(score.score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(score.rerank)
 
 
 def _error_handlers(app: FastAPI) -> None:

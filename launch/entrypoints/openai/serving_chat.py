@@ -74,6 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         what it may cost: the same for every chat-like route."""
         lora = self.check_model(body.model)
         self.check_alive()
+        self.check_generates()
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None

@@ -37,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         body = await read_body(raw, CompletionRequest)
         lora = self.check_model(body.model)
         self.check_alive()
+        self.check_generates()
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo")

@@ -30,6 +30,7 @@ from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
 from launch.processing.input_processor import ProcessedInput
+from launch.processing.pooling import POOLING_ONLY
 from launch.processing.request_stream import RequestStream
 from protocol import StructuredOutputsError
 from protocol.lora import LoRARequest
@@ -72,6 +73,11 @@ class OpenAIServing:
     def reported_model(self, lora: LoRARequest | None) -> str:
         """The `model` a response names: the adapter's name, else the served model's."""
         return self.model_name if lora is None else lora.lora_name
+
+    def check_generates(self) -> None:
+        """400 naming the runner when the engine is a pooling model (it generates no text)."""
+        if self.engine.inputs.pooling is not None:
+            raise APIError(400, POOLING_ONLY)
 
     def check_alive(self) -> None:
         if self.engine.dead is not None:
