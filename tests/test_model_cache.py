@@ -287,7 +287,7 @@ def chunked_source(tmp_path, monkeypatch):
             dst.write(src.read())
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    def fake_materialize(gguf_file, out_dir, gguf_name=None):
+    def fake_materialize(gguf_file, out_dir, gguf_name=None, progress=True):
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump({"architectures": ["Gemma3ForCausalLM"]}, f)
         return out_dir

@@ -367,8 +367,12 @@ def test_steps_without_masks_encode_as_before():
               "00000000000c0c0c0c20500cb0000000000000000cb0000000000000000cb3ff0000000000000c0"
               "c3c29101000294c403420102c403420a0b92c0910790c404420301010591049009")
     encoded = bytes(codec.encode(so)).hex()
-    # The one new byte is the request's `structured_outputs` (None), sent once with it.
-    assert encoded == before.replace("dc0011", "dc0012").replace("c0c3c2910100", "c0c3c2c0910100")
+    # New since: the request's `structured_outputs` (None, one byte), and NewRequestData's
+    # `lora_request` and `pooling_params` (None each: array_like structs send every field),
+    # all sent once, with the new request.
+    assert encoded == before.replace("dc0011", "dc0012").replace(
+        "c0c3c2910100", "c0c3c2c0910100").replace("919700", "919900").replace(
+        "91010002", "91010002c0c0")
     masked = so.with_grammar_bitmask(GrammarBitmask(IntColumn([0]), b"\xff" * 4))
     decoded = codec.decode(codec.encode(masked))
     assert isinstance(decoded, MaskedSchedulerOutput) and decoded == masked

@@ -142,7 +142,7 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        for old, new in model.checkpoint_renames.items():
+        for old, new in getattr(model, "checkpoint_renames", {}).items():
             name = name.replace(old, new)
         name, part = _expert_param(name, modules) or _param_name(name, model.packed_modules)
         if name not in params:
