@@ -204,3 +204,32 @@ def test_matryoshka_config_is_read(tmp_path):
         info.resolve(PoolingParams(dimensions=20))
     with pytest.raises(ValueError, match="not supported by this model"):
         info.resolve(None, "classify")
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_no_kv_is_kept_after_the_step(decoders, caching):
+    """A pooling request finishes in the step that runs its prompt and frees its blocks then;
+    only prefix caching keeps their (hashed, evictable) contents."""
+    engine = PoolingEngine(decoders["llama"], convert="embed", block_size=4,
+                           enable_prefix_caching=caching)
+    pool = engine.engine.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    for i, prompt in enumerate(PROMPTS):
+        engine.engine.handle(AddRequest(f"k{i}", prompt, SamplingParams(max_tokens=1), 0.0,
+                                        pooling_params=PoolingParams(task="embed")))
+    finished = [out for out in engine.engine.step()[1] if out.finished]
+    assert len(finished) == len(PROMPTS) and not engine.engine.has_work()
+    assert pool.get_num_free_blocks() == free
+    assert bool(pool.cached_block_hash_to_block) == caching
+    engine.engine.scheduler.check_integrity()
+
+
+def test_truncated_dimensions_are_normalized_after_truncation(decoders):
+    """Matryoshka `dimensions`: the first d features of the pooled state, then normalized."""
+    model = decoders["qwen3"]
+    engine = PoolingEngine(model, convert="embed")
+    for normalize in (True, False):
+        (got,) = engine.vectors([PROMPTS[0]], PoolingParams(task="embed", dimensions=16,
+                                                            use_activation=normalize))
+        want = hf_pooled(hf_hidden(model, PROMPTS[0])[:, :16], "LAST", normalize)
+        assert got.shape == (16,) and np.abs(got - want).max() < 1e-5
