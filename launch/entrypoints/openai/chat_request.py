@@ -41,10 +41,11 @@ def answer_parser(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatAnsw
 def plan_chat(body: ChatCompletionRequest, template: ChatTemplate | None,
               parsers: ChatParsers, max_chars: int,
               check: Callable[[Constraint], None]) -> ChatPlan:
-    """Everything before tokenizing, in order: tool mode, constraints (each checked alone by
-    `check`, so a refusal names the field the client wrote), messages normalized, bounded to
-    `max_chars` and rendered. Grammar work and rendering: call off the event loop. Any
-    failure is an APIError; a request nested too deeply for any step is a 400."""
+    """Everything before tokenizing, in order: tool mode, constraints (each handed alone to
+    `check`, so a refusal names the field the client wrote; the server collects them and
+    checks them in the grammar validator after this), messages normalized, bounded to
+    `max_chars` and rendered. Rendering: call off the event loop. Any failure is an
+    APIError; a request nested too deeply for any step is a 400."""
     try:
         answers = answer_parser(body, parsers)
         constraints = chat_constraint(body, answers.tools, parsers.tool_parser)

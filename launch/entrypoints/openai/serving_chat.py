@@ -38,6 +38,7 @@ from launch.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage,
 )
+from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.entrypoints.openai.tool_parsers import ToolCallDelta
 from launch.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from launch.processing.chat_template import ChatTemplate
@@ -81,10 +82,11 @@ class OpenAIServingChat(OpenAIServing):
                       else body.max_tokens)
 
         answers: list[ChatAnswerParser] = []
+        partial: list[Constraint] = []  # checked after the input thread, in the validator
 
-        def prepare() -> ProcessedInput:  # on the input thread: grammar checks, template
+        def prepare() -> ProcessedInput:  # on the input thread: template, tokenizer
             plan = plan_chat(body, self.template, self.parsers,
-                             self.engine.inputs.max_prompt_chars, self.check_constraint)
+                             self.engine.inputs.max_prompt_chars, partial.append)
             params = sampling_params(
                 body, {"max_tokens": max_tokens}, model_defaults=self.sampling_defaults,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -93,6 +95,7 @@ class OpenAIServingChat(OpenAIServing):
             return self.process(plan.prompt, params, add_special_tokens=False,
                                 constraint=plan.constraint, lora_request=lora)
         inputs = await self.off_loop(prepare)  # returns the ProcessedInput, as off_loop expects
+        await self.check_constraints(partial)
         self.check_budget([inputs])
         return ChatRun(body, inputs, answers[0], self.reported_model(lora))
 

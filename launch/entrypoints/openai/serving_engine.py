@@ -103,17 +103,25 @@ class OpenAIServing:
         return dataclasses.replace(processed, describe=describe) if processed.unchecked \
             else processed
 
-    def check_constraint(self, constraint: Constraint) -> None:
-        """Ask the grammar engine about one constraint on its own (a 400 naming its body
-        field), for a constraint that is only part of what the engine enforces. It waits
-        for the grammar engine's lanes, up to their deadline (then a 503): call off the
-        event loop."""
-        try:
-            self.engine.inputs.check_constraint(constraint.params)
-        except StructuredOutputsError as e:
-            raise constraint.describe(e) from None
-        except GrammarBusyError as e:
-            raise APIError(503, str(e), constraint.param) from None
+    async def check_constraints(self, constraints: list[Constraint]) -> None:
+        """Ask the grammar engine about constraints that are only part of what the engine
+        enforces (a schema beside tools, an answer after reasoning), each on its own: a 400
+        naming its body field, a 503 when it could not be checked in time. The checks run in
+        the grammar validator's lanes, never on the event loop or the input thread."""
+        inputs = self.engine.inputs
+
+        async def check(constraint: Constraint) -> None:
+            try:
+                if inputs.grammars is None:
+                    await asyncio.to_thread(inputs.check_constraint, constraint.params)
+                else:
+                    await inputs.grammars.check_async(constraint.params)
+            except StructuredOutputsError as e:
+                raise constraint.describe(e) from None
+            except GrammarBusyError as e:
+                raise APIError(503, str(e), constraint.param) from None
+        for constraint in constraints:  # in body order: the first refusal is the answer
+            await check(constraint)
 
     async def off_loop(self, work: Callable[[], T]) -> T:
         """`work()` on the input thread (tokenizing, rendering: proportional to the input);
@@ -122,10 +130,10 @@ class OpenAIServing:
         not check one in time."""
         result = await asyncio.get_running_loop().run_in_executor(self.input_executor, work)
         inputs = result if isinstance(result, list) else [result]
-        await self.check_constraints([p for p in inputs if isinstance(p, ProcessedInput)])
+        await self.check_unchecked([p for p in inputs if isinstance(p, ProcessedInput)])
         return result
 
-    async def check_constraints(self, inputs: list[ProcessedInput]) -> None:
+    async def check_unchecked(self, inputs: list[ProcessedInput]) -> None:
         """Check each distinct unchecked constraint of `inputs` (concurrently)."""
         pending: dict[tuple, ProcessedInput] = {}
         for processed in inputs:

@@ -30,6 +30,7 @@ from launch.entrypoints.openai.output_items import ItemBuilder, ItemEvent, Outpu
 from launch.entrypoints.openai.protocol import read_body
 from launch.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from launch.entrypoints.openai.serving_engine import json_response, stream_error
+from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.outputs import CompletionOutput
 
 _encoder = msgspec.json.Encoder()
@@ -66,11 +67,15 @@ class AnthropicServingMessages:
         if tokenizer is None:
             raise APIError(400, "the model directory has no tokenizer")
 
+        partial: list[Constraint] = []
+
         def count() -> int:
             plan = plan_chat(request, chat.template, chat.parsers,
-                             chat.engine.inputs.max_prompt_chars, chat.check_constraint)
+                             chat.engine.inputs.max_prompt_chars, partial.append)
             return len(tokenizer.encode(plan.prompt, add_special_tokens=False))
-        return json_response({"input_tokens": await chat.off_loop(count)})
+        tokens = await chat.off_loop(count)
+        await chat.check_constraints(partial)
+        return json_response({"input_tokens": tokens})
 
     async def _stream(self, mid: str, run: ChatRun) -> AsyncIterator[bytes]:
         builder, generated = ItemBuilder(), 0
