@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from worker.worker_proc import run_worker
         return run_worker(args, worker)
+    from common.process import configure_logging
     from launch.errors import EngineDeadError
     from protocol.journal import JournalError
     try:
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             return model_commands.run(args)
         if args.command == "kernels":
             return kernels.run(args)
+        if args.command in ("generate", "serve"):  # the front-end's startup lines show
+            configure_logging(getattr(logging, getattr(args, "log_level", "info").upper()))
         if args.command == "serve":
             from launch.cli.serve import serve
             return serve(args)
