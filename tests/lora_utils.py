@@ -96,3 +96,40 @@ def write_random_adapter(hf_config: dict, path: str, seed: int, targets: list[st
                    "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
                    "base_model_name_or_path": base_model, "inference_mode": True}, f)
     return path
+
+
+def write_gguf_adapter(peft_dir: str, path: str, base_config: dict,
+                       f16: bool = False) -> str:
+    """The PEFT adapter in `peft_dir` as llama.cpp's convert_lora_to_gguf.py writes it: GGUF
+    names `blk.N.<tensor>.weight.lora_a/.lora_b`, q/k lora_b rows rotary-permuted like the
+    base weights, `adapter.lora.alpha`."""
+    import json
+    import os
+
+    import gguf
+    import numpy as np
+    from gguf_utils import _llama_cpp_permute
+    from safetensors.numpy import load_file
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        alpha = json.load(f)["lora_alpha"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, base_config["num_hidden_layers"])
+    heads = {"q_proj": base_config["num_attention_heads"],
+             "k_proj": base_config["num_key_value_heads"]}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+    for name, tensor in sorted(load_file(os.path.join(peft_dir,
+                                                      "adapter_model.safetensors")).items()):
+        module, _, half = name.removeprefix("base_model.model.").rpartition(".lora_")
+        stored = tensor.astype(np.float32)
+        if half.startswith("B") and module.rsplit(".", 1)[1] in heads:
+            stored = _llama_cpp_permute(stored, heads[module.rsplit(".", 1)[1]])
+        suffix = ".lora_a" if half.startswith("A") else ".lora_b"
+        writer.add_tensor(names.get_name(module + ".weight", try_suffixes=(".weight",)) + suffix,
+                          stored.astype(np.float16) if f16 else stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

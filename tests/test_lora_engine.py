@@ -1,14 +1,16 @@
 """LoRA through the whole engine, held to Hugging Face + PEFT's greedy tokens: three adapters
 and the base model in one batch under chunked prefill, preemption and prefix caching (no block
 of one adapter serves another), recorded and replayed byte for byte; at tensor-parallel size
-2; and adapters loaded and unloaded at run time through the server."""
+2 (with llama.cpp's GGUF form of an adapter); and adapters loaded and unloaded at run time
+through the server."""
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
 import pytest
-from lora_utils import make_adapter, peft_greedy
+from lora_utils import make_adapter, peft_greedy, write_gguf_adapter
 from model_utils import make_tiny_model
 from server_utils import CHAT_TEMPLATE, Server
 
@@ -72,12 +74,16 @@ def test_mixed_adapters_equal_peft_and_replay(adapters, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tensor_parallel_adapters_equal_peft_with_evictions(adapters):
+def test_tensor_parallel_adapters_equal_peft_with_evictions(adapters, tmp_path):
     model, paths = adapters
-    names = ["a1", None, "a3", "a2"]
+    names = ["a1", None, "a3", "a2", "g1"]  # g1: a1 as llama.cpp's GGUF adapter file
     prompts = _prompts(names)
-    refs = peft_greedy(model, [paths.get(n) for n in names], prompts, MAX_TOKENS)
-    loras = {n: LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(paths.items())}
+    with open(os.path.join(model, "config.json")) as f:
+        twin = write_gguf_adapter(paths["a1"], str(tmp_path / "a1.gguf"), json.load(f))
+    refs = peft_greedy(model, [{**paths, "g1": paths["a1"]}.get(n) for n in names], prompts,
+                       MAX_TOKENS)
+    loras = {n: LoRARequest(n, i + 1, p)
+             for i, (n, p) in enumerate({**paths, "g1": twin}.items())}
     # Two adapters per step and two kept loaded: a2 waits for a slot, and one of the three
     # is evicted and read again (cut for its rank again).
     with LLM(model, enable_lora=True, max_loras=2, max_cpu_loras=2,

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from lora_utils import make_adapter
+from lora_utils import make_adapter, write_gguf_adapter
 from model_utils import make_tiny_model
 
 from engine_core.config import CacheConfig, SchedulerConfig
@@ -20,13 +20,14 @@ from engine_core.kv_cache.kv_cache_manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.sched.scheduler import Scheduler
 from launch.client.dp_client import ADAPTER_AFFINITY, DPEngineClient
-from protocol import AddRequest, SamplingParams, SchedulerStats
+from protocol import AddRequest, EngineConfig, SamplingParams, SchedulerStats
 from protocol.kv_events import BlockStored
 from protocol.lora import LoRARequest
 from worker.lora.adapter_files import inspect_adapter
-from worker.lora.lora_model import LoRAModel
+from worker.lora.lora_model import LoRAModel, load_lora_model
 from worker.lora.mapping import LoRAMapping
 from worker.lora.peft_config import LoRAAdapterError, LoRAAdapterNotFoundError, PeftConfig
+from worker.model_runner import ModelRunner
 from worker.models.registry import load_model_config
 
 
@@ -89,7 +90,7 @@ def test_targets_we_cannot_apply_are_refused(base, tmp_path):
 
 def test_missing_and_malformed_adapters(base, adapter, tmp_path):
     model = load_model_config(base)
-    with pytest.raises(LoRAAdapterNotFoundError, match="not a directory"):
+    with pytest.raises(LoRAAdapterNotFoundError, match="neither a directory"):
         inspect_adapter("gone", str(tmp_path / "gone"), model, 16)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -195,3 +196,42 @@ def test_replicas_prefer_one_already_holding_the_adapter():
     assert add("z", lora) == 0  # far busier: load wins
     client._forget("x")
     assert client.adapters[1][7] == 1 and "x" not in client.owner
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_llama_cpp_gguf_adapters_read_as_their_peft_twins(base, adapter, tmp_path, f16):
+    with open(os.path.join(base, "config.json")) as f:
+        hf = json.load(f)
+    twin = write_gguf_adapter(adapter, str(tmp_path / "a.gguf"), hf, f16=f16)
+    model = load_model_config(base)
+    peft, gguf = inspect_adapter("a", adapter, model, 16), inspect_adapter("g", twin, model, 16)
+    assert [(m.module, m.rank, m.scale) for m in peft.modules] == \
+        [(m.module, m.rank, m.scale) for m in gguf.modules]
+    targets = ModelRunner(EngineConfig(model=base, enable_lora=True, max_model_len=64,
+                                       num_gpu_blocks_override=8)).lora.targets
+    a = load_lora_model(LoRARequest("a", 1, adapter), peft, targets)
+    g = load_lora_model(LoRARequest("g", 2, twin), gguf, targets)
+    for x, y in zip(a.layers, g.layers):
+        for p, q in zip(x, y):
+            torch.testing.assert_close(p, q, rtol=1e-3 if f16 else 0, atol=1e-3 if f16 else 0)
+
+
+def test_malformed_gguf_adapters_are_refused(base, adapter, tmp_path):
+    with open(os.path.join(base, "config.json")) as f:
+        hf = json.load(f)
+    model = load_model_config(base)
+    whole = open(write_gguf_adapter(adapter, str(tmp_path / "a.gguf"), hf), "rb").read()
+    (tmp_path / "zeros.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "head.gguf").write_bytes(whole[:40])
+    (tmp_path / "padded.gguf").write_bytes(whole + b"\0" * (2 << 20))
+    for file, reason in [("zeros", "not a GGUF file|not a llama.cpp LoRA"),
+                         ("cut", "truncated"), ("head", "truncated"),
+                         ("padded", "bytes past its tensors")]:
+        with pytest.raises(LoRAAdapterError, match=reason):
+            inspect_adapter("x", str(tmp_path / f"{file}.gguf"), model, 16)
+    with pytest.raises(LoRAAdapterError, match="rank 8, more than --max-lora-rank 4"):
+        inspect_adapter("x", str(tmp_path / "a.gguf"), model, 4)
+    qwen = load_model_config(make_tiny_model(str(tmp_path / "qwen"), "qwen2"))
+    with pytest.raises(LoRAAdapterError, match="another base model: a llama GGUF adapter"):
+        inspect_adapter("x", str(tmp_path / "a.gguf"), qwen, 16)

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from worker.lora.gguf_adapter import MAX_SLACK_BYTES, GGUFAdapter, read_gguf_adapter
 from worker.lora.peft_config import LoRAAdapterError, LoRAAdapterNotFoundError, PeftConfig
 from worker.models.config import ModelConfig
 
@@ -24,7 +25,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
-MAX_SLACK_BYTES = 1 << 20  # bytes a weights file may hold past its tensors' data
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 # The projections an adapter may target, and the decoder sublayer each belongs to.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -55,14 +55,22 @@ class AdapterSpec:
     rank: int  # the largest of its modules'
     digest: str
     base_model_name_or_path: str | None
+    gguf: GGUFAdapter | None = None  # a llama.cpp GGUF adapter's tensors (None: safetensors)
 
 
 def inspect_adapter(name: str, path: str, model: ModelConfig, max_rank: int) -> AdapterSpec:
-    """The adapter at `path`, checked against `model`: LoRAAdapterNotFoundError without one,
-    LoRAAdapterError naming the reason if it cannot be served."""
+    """The adapter at `path` (a PEFT directory, or a llama.cpp `.gguf` adapter file),
+    checked against `model`: LoRAAdapterNotFoundError without one, LoRAAdapterError naming the
+    reason if it cannot be served."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        header, config, source = read_gguf_adapter(name, path, model)
+        _check_rank(config, max_rank, name)
+        modules = _modules(header, config, model, name)
+        return AdapterSpec(path, path, modules, max(m.rank for m in modules),
+                           _digest(b"", path), None, source)
     if not os.path.isdir(path):
-        raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r} not found: {path!r} is not a "
-                                       "directory")
+        raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r} not found: {path!r} is neither "
+                                       "a directory nor a .gguf adapter file")
     config_path = os.path.join(path, CONFIG_FILE)
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(config_path):
@@ -79,13 +87,17 @@ def inspect_adapter(name: str, path: str, model: ModelConfig, max_rank: int) -> 
         config = PeftConfig.parse(json.loads(raw), name)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {e}") from None
-    if config.max_rank > max_rank:
-        raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {config.max_rank}, more than "
-                               f"--max-lora-rank {max_rank}")
+    _check_rank(config, max_rank, name)
     header = read_safetensors_header(weights, name)
     modules = _modules(header, config, model, name)
     return AdapterSpec(path, weights, modules, max(m.rank for m in modules),
                        _digest(raw, weights), config.base_model_name_or_path)
+
+
+def _check_rank(config: PeftConfig, max_rank: int, name: str) -> None:
+    if config.max_rank > max_rank:
+        raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {config.max_rank}, more than "
+                               f"--max-lora-rank {max_rank}")
 
 
 def read_safetensors_header(path: str, name: str) -> dict[str, Any]:

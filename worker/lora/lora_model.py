@@ -16,6 +16,7 @@ adapter is never quantized).
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,13 +50,20 @@ def load_lora_model(lora_request: LoRARequest, spec: AdapterSpec,
     started = time.perf_counter()
     by_layer: dict[tuple[int, str], ModuleSpec] = {(m.layer, m.target): m for m in spec.modules}
     layers: list[Factors | None] = []
-    with safe_open(spec.weights_file, framework="pt") as f:
+    with _tensors(spec) as f:
         for target in targets:
             parts = [(by_layer[(target.layer_index, hf)], key) for hf, key in target.parts
                      if (target.layer_index, hf) in by_layer]
             layers.append(_factors(f, target, parts) if parts else None)
     nbytes = sum(t.numel() * t.element_size() for pair in layers if pair for t in pair)
     return LoRAModel(lora_request, layers, nbytes, time.perf_counter() - started)
+
+
+def _tensors(spec: AdapterSpec) -> AbstractContextManager:
+    """The adapter's tensors by name (`get_tensor`): safetensors, or a GGUF adapter's."""
+    if spec.gguf is not None:
+        return nullcontext(spec.gguf.read())
+    return safe_open(spec.weights_file, framework="pt")
 
 
 def _factors(f, target: LoRATarget, parts: list[tuple[ModuleSpec, object]]) -> Factors:
