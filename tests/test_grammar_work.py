@@ -46,6 +46,9 @@ def test_a_lane_never_waits_behind_another_and_queued_jobs_cancel():
     big = [lanes.submit("big", gate.wait) for _ in range(3)]
     small = lanes.submit("small", lambda: "done")
     assert lanes.wait([small], time.monotonic() + 10) and small.result == "done"
+    deadline = time.monotonic() + 10  # the big lane's thread may not have taken its first job
+    while big[0].started is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not big[0].done and lanes.cancel(big[2]) and not lanes.cancel(big[0])
     gate.set()
     assert lanes.wait(big[:2], time.monotonic() + 10)
