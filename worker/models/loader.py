@@ -23,6 +23,7 @@ from worker.layers.quantization.gguf import (
     GGUFLMHeadMethod,
     kept_tensors,
 )
+from worker.layers.quantization.gguf_a8 import GGUFA8Config
 from worker.layers.quantization.int8 import Int8Config, Int8LinearMethod, Int8LMHeadMethod
 from worker.layers.quantization.unquantized import UnquantizedConfig
 from worker.models.config import ModelConfig
@@ -30,13 +31,14 @@ from worker.models.gguf_checkpoint import GGUFCheckpoint, gguf_file_of
 from worker.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+GGUF_METHODS = ("gguf", "gguf_a8")  # the methods that keep a GGUF file's blocks
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend, max_positions: int,
                quantization: str = "none") -> nn.Module:
     """The architecture's class from the registry, built on `device` and loaded, its weights
-    as `quantization` (resolved: gguf, int8 or none) says.
+    as `quantization` (resolved: gguf, gguf_a8, int8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
@@ -45,7 +47,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     gguf_file = (GGUFCheckpoint(gguf_file_of(model_dir, config.hf["quantization_config"]))
                  if config.quantization == "gguf" else None)
     kept = (kept_tensors(gguf_file.types, gguf_file.shapes, cls.packed_modules)
-            if gguf_file is not None and quantization == "gguf" else {})
+            if gguf_file is not None and quantization in GGUF_METHODS else {})
     quant_config = _quant_config(quantization, kept, cls.packed_modules,
                                  config.tie_word_embeddings)
     with torch.device(device):
@@ -58,7 +60,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     if gguf_file is None:
         load_weights(model, iter_checkpoint(model_dir), model_dir)
     else:
-        if quantization == "gguf":
+        if quantization in GGUF_METHODS:
             gguf_file.log_dequantized(kept)
         load_weights(model, gguf_file.weights(kept), gguf_file.path)
     for module in model.modules():
@@ -75,10 +77,10 @@ def weights_summary(model: nn.Module, quantization: str) -> str:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, GGUFLinearMethod):
-            kept.update(t.name for t in method.types)
+            kept.update(t.name + ("/a8" if method.a8 else "") for t in method.types)
         elif isinstance(method, (GGUFEmbeddingMethod, GGUFLMHeadMethod)) and not (
                 module is model.lm_head and model.config.tie_word_embeddings):
-            kept[method.qtype.name] += 1
+            kept[method.qtype.name + ("/a8" if getattr(method, "a8", False) else "")] += 1
         elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod)):
             kept["int8"] += 1
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -90,6 +92,8 @@ def _quant_config(quantization: str, kept: dict, packed: dict[str, tuple[str, ob
                   tied: bool) -> QuantizationConfig:
     if quantization == "gguf":
         return GGUFConfig(kept, packed, tied)
+    if quantization == "gguf_a8":
+        return GGUFA8Config(kept, packed, tied)
     return Int8Config() if quantization == "int8" else UnquantizedConfig()
 
 
