@@ -5,6 +5,8 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
   chat {messages, max_tokens}             -> {seconds, tokens}   (one create_chat_completion,
                                              greedy, end-of-generation tokens banned so all
                                              max_tokens come, KV state reset first)
+  prompts {prompts: [[token ids]]}        -> {seconds, tokens}   (each prompt evaluated from an
+                                             empty KV state: prompt processing only)
   quit
 """
 from __future__ import annotations
@@ -38,7 +40,18 @@ def chat(messages: list[dict], max_tokens: int) -> dict:
             "text": reply["choices"][0]["message"]["content"]}
 
 
-OPS = {"init": init, "chat": chat}
+def prompts(prompts: list[list[int]]) -> dict:
+    llm = STATE["llm"]
+    seconds = 0.0
+    for ids in prompts:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        seconds += time.perf_counter() - start
+    return {"seconds": seconds, "tokens": sum(len(ids) for ids in prompts)}
+
+
+OPS = {"init": init, "chat": chat, "prompts": prompts}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 // 8-bit-activation products of gguf_matmul.cpp (qtype | A8_FLAG): llama.cpp's arithmetic for
 // the 32-element block types, NOT exact. Included inside gguf_matmul.cpp's anonymous
-// namespace, after gguf_blocks.h, Args and with_rows.
+// namespace, after gguf_blocks.h, Args, with_rows and thread_buffer.
 //
 // Activations: each row of x is cut into blocks of 32 and quantized as llama.cpp's Q8_0 /
 // Q8_1 do, with float32 scales (llama.cpp rounds d and s to float16):
@@ -295,6 +295,17 @@ void a8_tile(int isa, const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0
     a8_tile_scalar<Q, R, NR>(w, x, m0, out);
 }
 
+// Many rows with 512-bit VNNI (gguf_a8_rows), x rows in lanes: a tile of ZMV = 16 x rows is
+// packed per block as 8 chunks of [16 rows][4 bytes] (elements 4c..4c+3 of each row, as
+// unsigned a + 128), then d[16], s[16]; a strip of ZRN weight rows is decoded once into a
+// stage of signed bytes per block (and dw, m, -128 Σq per row and block). Then per (weight
+// row, block): 8 vpdpbusd with the row's 4 bytes broadcast against the tile's chunks sum
+// Σ (a + 128) q for all 16 x rows at once, starting from -128 Σ q, so the int32 lanes hold
+// Σ a q exactly; one conversion and one fused multiply-add by dw * d per 512 products.
+#if defined(A8_HAVE_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "gguf_a8_rows.h"
+#endif
+
 // A per-thread byte buffer of at least `size` bytes (the quantized x of the thread that
 // takes the `single`, shared with its team), 64-byte aligned.
 uint8_t* a8_buffer(int64_t size) {
@@ -323,6 +334,9 @@ void a8_drive(const Args& a) {
     for (int64_t r = 0; r < a.m; ++r)
         quantize_row(a.x + r * a.x_stride, nb, q + r * a.k, d + r * nb, s + r * nb);
     const A8Rows x{q, d, s, a.k, nb};
+#if defined(A8_HAVE_ZMM)
+    if (isa == A8_VNNI && a.m > A8_ROWS) return z_drive<Q>(a, x);  // measured crossover
+#endif
     const int64_t groups = (a.n + A8_NR - 1) / A8_NR;
     const int64_t rows = std::max<int64_t>(A8_ROWS, A8_X_BLOCK_BYTES / a.k / A8_ROWS * A8_ROWS);
     const int64_t units = (a.m + rows - 1) / rows * groups;
@@ -345,3 +359,4 @@ void a8_drive(const Args& a) {
             });
     }
 }
+

@@ -71,8 +71,6 @@ void with_rows(int rows, F&& f) {
     f.template operator()<Max>();
 }
 
-#include "gguf_a8.h"
-
 // y rows [m0, m0 + R) × columns [n0, n0 + NR) (clipped to the matrix; n0 < N) from x rows
 // and weight rows n0... of `src`.
 template <class Q, int R, int NR>
@@ -166,6 +164,8 @@ void strip_units(const Args& a) {
         strip_unit<Q, NVM>(a, u % strips * RN, t0, std::min(tiles, t0 + block), xt, stage);
     }
 }
+
+#include "gguf_a8.h"
 
 // The driver for the row count, called by every thread of a parallel region (or by one
 // thread outside any).

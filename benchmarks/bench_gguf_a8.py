@@ -1,0 +1,139 @@
+"""`--quantization gguf_a8` (8-bit activations, integer dot products; issue 34) against the
+exact `gguf` mode and llama.cpp on the same GGUF file, same run, rounds interleaved.
+
+Sections (--sections; all by default):
+  kernels  the GGUF products alone, SmolLM2's shapes (Q4_1 gate_up 3072x576, down 576x1536,
+           the Q8_0 LM head 49152x576), M = 1, 8, 64, 512 rows: exact vs a8 (the CPU's
+           variant) vs a8 AVX2, interleaved, ms per call.
+  stream   SmolLM2 one stream: 6 short chat prompts x 128 tokens (ignore_eos), whole calls:
+           gguf_a8 vs gguf vs llama.cpp (--llamacpp-python) on the very same file.
+  prefill  8 random-token prompts of 512 tokens at once, 1 output token each: gguf_a8 vs
+           gguf; llama.cpp evaluates the same 8 prompts one after the other (its prompt
+           processing, n_batch 512).
+Run: python benchmarks/bench_gguf_a8.py [--rounds 3] [--threads 2]
+     [--llamacpp-python /work/peer/llamacpp/bin/python]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from _common import Peer, spread
+from bench_quantized import CHATS, _gguf_file, interleave, llamacpp_stream, ours_stream
+
+from launch import LLM, SamplingParams
+from launch.model_cache.cache import download_model
+from worker.native import gguf_ops
+
+KERNEL_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
+PREFILL = (8, 512)
+
+
+def kernels_section(args) -> None:
+    ops = gguf_ops.load()
+    best = ops.a8_isa
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"kernels ({args.threads} threads; a8 variant here: {best}), ms per call, "
+          f"median (min..max) of {args.rounds * 3} interleaved samples:")
+    for qtype, n, k in KERNEL_SHAPES:
+        w = gguf_ops.random_blocks(qtype, n, k, g)
+        for m in (1, 8, 64, 512):
+            x = torch.randn(m, k, generator=g)
+            reps = max(1, int(2e8 / (m * n * k)))
+            runs = {"exact": (best, False), f"a8 {best}": (best, True),
+                    "a8 avx2": ("avx2", True)}
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(args.rounds * 3):
+                for name, (isa, a8) in runs.items():
+                    ops.set_a8_isa(isa)
+                    ops.matmul(x, w, qtype, n, k, a8=a8)
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        ops.matmul(x, w, qtype, n, k, a8=a8)
+                    times[name].append((time.perf_counter() - start) / reps * 1e3)
+            ops.set_a8_isa(best)
+            med = {name: statistics.median(v) for name, v in times.items()}
+            print(f"  {qtype} {n}x{k} M={m:3d}: " + ", ".join(
+                f"{name} {spread(v)} ({med['exact'] / med[name]:.2f}x)"
+                for name, v in times.items()))
+
+
+def prefill_run(llm: LLM, prompts: list[list[int]]) -> tuple[float, float]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(p) for p in prompts), time.perf_counter() - start
+
+
+def engines_section(args, smollm2: str, sections: list[str]) -> None:
+    small = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28,
+             "num_threads": args.threads, "max_num_batched_tokens": 4096}
+    count, length = PREFILL
+    rng = torch.Generator().manual_seed(1)
+    prompts = torch.randint(100, 40000, (count, length), generator=rng).tolist()
+    peer = None
+    with LLM(smollm2, quantization="gguf_a8", **small) as a8, \
+            LLM(smollm2, quantization="gguf", **small) as exact:
+        ours = {"gguf_a8": a8, "gguf": exact}
+        if args.llamacpp_python:
+            peer = Peer(args.llamacpp_python, "_llamacpp_peer.py")
+            info = peer.call("init", model_path=os.path.join(smollm2, _gguf_file(smollm2)),
+                             n_ctx=1024, n_threads=args.threads)
+            print(f"llama.cpp {info['version']}: {info['system_info']}")
+        if "stream" in sections:
+            engines = {name: (lambda llm=llm: ours_stream(llm, CHATS))
+                       for name, llm in ours.items()}
+            if peer is not None:
+                engines["llama.cpp"] = lambda: llamacpp_stream(peer, CHATS)
+            report("one stream, 6 chats x 128 tokens (output tok/s, whole calls)", engines,
+                   args.rounds)
+        if "prefill" in sections:
+            engines = {name: (lambda llm=llm: prefill_run(llm, prompts))
+                       for name, llm in ours.items()}
+            if peer is not None:
+                engines["llama.cpp"] = lambda: _peer_prompts(peer, prompts)
+            report(f"prompt processing, {count} x {length} tokens (prompt tok/s)", engines,
+                   args.rounds)
+        if peer is not None:
+            peer.close()
+
+
+def _peer_prompts(peer: Peer, prompts: list[list[int]]) -> tuple[float, float]:
+    reply = peer.call("prompts", prompts=prompts)
+    return reply["tokens"], reply["seconds"]
+
+
+def report(title: str, engines: dict, rounds: int) -> None:
+    for run in engines.values():
+        run()  # warm-up
+    print(title + ":")
+    rates = interleave(engines, rounds)
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    for name, values in rates.items():
+        print(f"  {name:9s} {spread(values)}")
+    for other in [n for n in med if n != "gguf_a8"]:
+        pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(rates["gguf_a8"], rates[other]))
+        print(f"  gguf_a8 / {other}: {med['gguf_a8'] / med[other]:.2f}x (pairs {pairs})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sections", nargs="+", default=["kernels", "stream", "prefill"])
+    parser.add_argument("--llamacpp-python", default=None)
+    args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()}")
+    if "kernels" in args.sections:
+        kernels_section(args)
+    if {"stream", "prefill"} & set(args.sections):
+        engines_section(args, download_model("smollm2", progress=False), args.sections)
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+// The many-rows 8-bit-activation driver for 512-bit VNNI (see gguf_a8.h's last comment).
+// Included at the end of gguf_a8.h where the build has AVX512-VNNI.
+#pragma once
+#define A8_HAVE_ZMM 1
+
+constexpr int ZMV = 16;                    // x rows per tile (one zmm of int32 lanes)
+constexpr int ZRN = 8;                     // weight rows per strip
+constexpr int Z_BLOCK_BYTES = 8 * 64 + 2 * ZMV * 4;  // a tile's bytes per block of 32
+constexpr int64_t Z_X_BLOCK_BYTES = 256 << 10;       // packed tiles per unit, ~this many
+
+// Tile t of the quantized rows into `out` (nb blocks of Z_BLOCK_BYTES); rows past m are zeros
+// (a = 0, d = s = 0).
+inline void z_pack(const A8Rows& x, int64_t m, int64_t t, uint8_t* out) {
+    for (int64_t b = 0; b < x.nb; ++b) {
+        uint8_t* p = out + b * Z_BLOCK_BYTES;
+        float* d = reinterpret_cast<float*>(p + 512);
+        for (int i = 0; i < ZMV; ++i) {
+            const int64_t row = t * ZMV + i;
+            for (int c = 0; c < 8; ++c) {
+                uint32_t v = 0;
+                if (row < m) std::memcpy(&v, x.q + row * x.k + b * 32 + 4 * c, 4);
+                v ^= 0x80808080u;  // a + 128 per byte
+                std::memcpy(p + (c * ZMV + i) * 4, &v, 4);
+            }
+            d[i] = row < m ? x.d[row * x.nb + b] : 0.0f;
+            d[ZMV + i] = row < m ? x.s[row * x.nb + b] : 0.0f;
+        }
+    }
+}
+
+// Stage of weight rows n0.. (ZRN, rows past n repeat the last): per block b and row r, 32
+// signed bytes at q + (b * ZRN + r) * 32 and {dw, m, -128 Σq (int32 bits), 0} at f + (b * ZRN
+// + r) * 4.
+template <class Q>
+void z_stage(const uint8_t* w, int64_t w_stride, int64_t n, int64_t n0, int64_t nb,
+             int8_t* q, float* f) {
+    for (int r = 0; r < ZRN; ++r) {
+        const uint8_t* row = w + std::min(n0 + r, n - 1) * w_stride;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + b * Q::kBytes;
+            int8_t* qb = q + (b * ZRN + r) * 32;
+            const __m256i v = Q::quants_v(blk);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), v);
+            // Σ q: bytes times 1 in pairs, pairs to int32, lanes summed.
+            const __m256i pairs = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+            const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(pairs),
+                                            _mm256_extracti128_si256(pairs, 1));
+            const __m128i h2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+            const int sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
+            const int32_t corr = -128 * sum;
+            float* fb = f + (b * ZRN + r) * 4;
+            fb[0] = f16(blk);
+            fb[1] = Q::m(blk);
+            std::memcpy(fb + 2, &corr, 4);
+            fb[3] = 0.0f;
+        }
+    }
+}
+
+// out[r * ZMV + i] = x row i of the tile · stage row r.
+template <bool kOffset>
+SIMD_INLINE void z_tile(const uint8_t* xt, const int8_t* q, const float* f, int64_t nb,
+                        float* out) {
+    __m512 acc[ZRN];
+#pragma GCC unroll 16
+    for (int r = 0; r < ZRN; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = xt + b * Z_BLOCK_BYTES;
+        __m512i a[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) a[c] = _mm512_loadu_si512(p + c * 64);
+        const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 512));
+        const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 512) + ZMV);
+#pragma GCC unroll 16
+        for (int r = 0; r < ZRN; ++r) {
+            const int8_t* qb = q + (b * ZRN + r) * 32;
+            const float* fb = f + (b * ZRN + r) * 4;
+            int32_t corr;
+            std::memcpy(&corr, fb + 2, 4);
+            __m512i sum = _mm512_set1_epi32(corr);
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) {
+                int32_t wv;
+                std::memcpy(&wv, qb + 4 * c, 4);
+                sum = _mm512_dpbusd_epi32(sum, a[c], _mm512_set1_epi32(wv));
+            }
+            // (maskz: GCC 12 warns falsely on the unmasked conversion)
+            const __m512 p32 = _mm512_maskz_cvtepi32_ps(0xFFFF, sum);
+            acc[r] = _mm512_fmadd_ps(p32, _mm512_mul_ps(d, _mm512_set1_ps(fb[0])), acc[r]);
+            if constexpr (kOffset) acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(fb[1]), acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < ZRN; ++r) _mm512_storeu_ps(out + r * ZMV, acc[r]);
+}
+
+// The driver (every thread of a region calls it, or one thread outside any), after x is
+// quantized: tiles packed (threads split them), then units of (block of tiles of
+// ~Z_X_BLOCK_BYTES) × (strip of ZRN weight rows), x-block-major.
+template <class Q>
+void z_drive(const Args& a, const A8Rows& x) {
+    const int64_t tiles = (a.m + ZMV - 1) / ZMV, strips = (a.n + ZRN - 1) / ZRN;
+    const int64_t tile_bytes = x.nb * Z_BLOCK_BYTES;
+    const int64_t block = std::max<int64_t>(1, Z_X_BLOCK_BYTES / tile_bytes);
+    const int64_t units = (tiles + block - 1) / block * strips;
+    uint8_t* xt = nullptr;
+#pragma omp single copyprivate(xt)
+    xt = reinterpret_cast<uint8_t*>(thread_buffer(0, (tiles * tile_bytes + 64) / 4 + 16));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) z_pack(x, a.m, t, xt + t * tile_bytes);
+    int8_t* const q = reinterpret_cast<int8_t*>(thread_buffer(1, x.nb * ZRN * (8 + 4)));
+    float* const f = reinterpret_cast<float*>(q + x.nb * ZRN * 32);
+    int64_t staged = -1;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n0 = u % strips * ZRN, t0 = u / strips * block;
+        const int cols = static_cast<int>(std::min<int64_t>(ZRN, a.n - n0));
+        if (staged != n0) z_stage<Q>(a.w, a.w_stride, a.n, n0, x.nb, q, f);
+        staged = n0;
+        for (int64_t t = t0; t < std::min(tiles, t0 + block); ++t) {
+            alignas(64) float out[ZRN * ZMV];
+            z_tile<Q::kOffset>(xt + t * tile_bytes, q, f, x.nb, out);
+            const int rows = static_cast<int>(std::min<int64_t>(ZMV, a.m - t * ZMV));
+            for (int i = 0; i < rows; ++i) {
+                float* y = a.y + (t * ZMV + i) * a.y_stride + n0;
+                for (int r = 0; r < cols; ++r)
+                    y[r] = a.accumulate ? y[r] + out[r * ZMV + i] : out[r * ZMV + i];
+            }
+        }
+    }
+}
