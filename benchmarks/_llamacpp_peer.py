@@ -5,6 +5,8 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
   chat {messages, max_tokens}             -> {seconds, tokens}   (one create_chat_completion,
                                              greedy, end-of-generation tokens banned so all
                                              max_tokens come, KV state reset first)
+  perplexity {model_path, ids, n_threads} -> {perplexity}       (a second Llama with all logits:
+                                             exp of the mean NLL of ids[1:])
   prompts {prompts: [[token ids]]}        -> {seconds, tokens}   (each prompt evaluated from an
                                              empty KV state: prompt processing only)
   quit
@@ -51,7 +53,20 @@ def prompts(prompts: list[list[int]]) -> dict:
     return {"seconds": seconds, "tokens": sum(len(ids) for ids in prompts)}
 
 
-OPS = {"init": init, "chat": chat, "prompts": prompts}
+def perplexity(model_path: str, ids: list[int], n_threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=len(ids) + 16, n_batch=len(ids) + 16,
+                          n_threads=n_threads, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -logprobs[np.arange(len(ids) - 1), ids[1:]].mean()
+    return {"perplexity": float(np.exp(nll))}
+
+
+OPS = {"init": init, "chat": chat, "prompts": prompts, "perplexity": perplexity}
 
 
 def main() -> None:

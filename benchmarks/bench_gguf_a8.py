@@ -10,6 +10,8 @@ Sections (--sections; all by default):
   prefill  8 random-token prompts of 512 tokens at once, 1 output token each: gguf_a8 vs
            gguf; llama.cpp evaluates the same 8 prompts one after the other (its prompt
            processing, n_batch 512).
+  ppl      perplexity of tests/test_gguf_a8_model.py's held-out English text under SmolLM2:
+           float32 (-q none), gguf, gguf_a8, and llama.cpp's own on the same file.
 Run: python benchmarks/bench_gguf_a8.py [--rounds 3] [--threads 2]
      [--llamacpp-python /work/peer/llamacpp/bin/python]
 """
@@ -18,10 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
-from _common import Peer, spread
+from _common import ROOT, Peer, spread
 from bench_quantized import CHATS, _gguf_file, interleave, llamacpp_stream, ours_stream
 
 from launch import LLM, SamplingParams
@@ -60,6 +63,29 @@ def kernels_section(args) -> None:
             print(f"  {qtype} {n}x{k} M={m:3d}: " + ", ".join(
                 f"{name} {spread(v)} ({med['exact'] / med[name]:.2f}x)"
                 for name, v in times.items()))
+
+
+def ppl_section(args, smollm2: str) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from quant_utils import perplexity, prompt_logits, runner
+    from test_gguf_a8_model import ENGLISH
+
+    from launch.processing.tokenizer import load_tokenizer
+    torch.set_num_threads(args.threads)
+    ids = load_tokenizer(smollm2).encode(ENGLISH)
+    figures = {}
+    for quantization in ("none", "gguf", "gguf_a8"):
+        figures[quantization] = perplexity(prompt_logits(runner(smollm2, quantization), ids),
+                                           ids)
+    if args.llamacpp_python:
+        peer = Peer(args.llamacpp_python, "_llamacpp_peer.py")
+        figures["llama.cpp"] = peer.call(
+            "perplexity", model_path=os.path.join(smollm2, _gguf_file(smollm2)), ids=ids,
+            n_threads=args.threads)["perplexity"]
+        peer.close()
+    print(f"perplexity, SmolLM2, {len(ids)} tokens of held-out English:")
+    for name, value in figures.items():
+        print(f"  {name:9s} {value:.4f} ({value / figures['none'] - 1:+.2%} vs float32)")
 
 
 def prefill_run(llm: LLM, prompts: list[list[int]]) -> tuple[float, float]:
@@ -124,7 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sections", nargs="+", default=["kernels", "stream", "prefill"])
+    parser.add_argument("--sections", nargs="+",
+                        default=["kernels", "stream", "prefill", "ppl"])
     parser.add_argument("--llamacpp-python", default=None)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
@@ -132,6 +159,8 @@ def main() -> None:
         kernels_section(args)
     if {"stream", "prefill"} & set(args.sections):
         engines_section(args, download_model("smollm2", progress=False), args.sections)
+    if "ppl" in args.sections:
+        ppl_section(args, download_model("smollm2", progress=False))
     print(f"load average at end: {os.getloadavg()}")
 
 

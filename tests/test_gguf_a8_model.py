@@ -59,7 +59,12 @@ ENGLISH = (
     "old stone bridge, which had been closed since the storm began. Some argued that it should "
     "be rebuilt higher and wider, while others worried about the cost and about how long the "
     "work would take. In the end they agreed to ask the county engineer for a report before "
-    "the spring, and to open the school as a shelter for the families who had lost their homes.")
+    "the spring, and to open the school as a shelter for the families who had lost their homes. "
+    "Over the next week volunteers carried sandbags, cooked meals and sorted donated clothes. "
+    "A retired teacher kept a list of every family and what they needed, and each evening she "
+    "read it aloud so that nobody would be forgotten. When the water finally went down, the "
+    "fields were covered in a thin grey mud that smelled of the river, and the farmers began "
+    "the slow work of clearing their ditches before the planting season.")
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "libraries", "bees", "trains",
           "the ocean", "music", "winter", "maps", "coffee", "birds", "bridges", "gardens",
           "clocks", "deserts", "paper", "glaciers", "bicycles", "salt", "lighthouses", "tea",
