@@ -295,6 +295,16 @@ void a8_tile(int isa, const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0
     a8_tile_scalar<Q, R, NR>(w, x, m0, out);
 }
 
+// A per-thread byte buffer of at least `size` bytes (the quantized x of the thread that
+// takes the `single`, shared with its team), 64-byte aligned.
+uint8_t* a8_buffer(int64_t size) {
+    thread_local std::vector<uint64_t> buffer;
+    const size_t words = static_cast<size_t>(size + 64) / 8;
+    if (buffer.size() < words) buffer.resize(words);
+    const auto p = reinterpret_cast<uintptr_t>(buffer.data());
+    return reinterpret_cast<uint8_t*>((p + 63) & ~static_cast<uintptr_t>(63));
+}
+
 // Many rows with 512-bit VNNI (gguf_a8_rows), x rows in lanes: a tile of ZMV = 16 x rows is
 // packed per block as 8 chunks of [16 rows][4 bytes] (elements 4c..4c+3 of each row, as
 // unsigned a + 128), then d[16], s[16]; a strip of ZRN weight rows is decoded once into a
@@ -306,37 +316,38 @@ void a8_tile(int isa, const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0
 #include "gguf_a8_rows.h"
 #endif
 
-// A per-thread byte buffer of at least `size` bytes (the quantized x of the thread that
-// takes the `single`, shared with its team), 64-byte aligned.
-uint8_t* a8_buffer(int64_t size) {
-    thread_local std::vector<uint64_t> buffer;
-    const size_t words = static_cast<size_t>(size + 64) / 8;
-    if (buffer.size() < words) buffer.resize(words);
-    const auto p = reinterpret_cast<uintptr_t>(buffer.data());
-    return reinterpret_cast<uint8_t*>((p + 63) & ~static_cast<uintptr_t>(63));
-}
-
 // The 8-bit-activation driver, called by every thread of a parallel region (or by one thread
-// outside any): x quantized once (threads split the rows) into one shared buffer, then units
-// of (block of ~A8_X_BLOCK_BYTES quantized x rows) × (A8_NR weight rows), x-block-major, so a
-// thread's consecutive units reuse its x block from L2 while the weights stream.
+// outside any). Many rows with 512-bit VNNI: z_drive. Else x is quantized first: up to
+// A8_ROWS rows (decode) by every thread for itself (no barrier; a few K bytes), more by the
+// team into one shared buffer; then units of (block of ~A8_X_BLOCK_BYTES quantized x rows) ×
+// (A8_NR weight rows), x-block-major, so a thread's consecutive units reuse its x block from
+// L2 while the weights stream.
 template <class Q>
 void a8_drive(const Args& a) {
     const int64_t nb = a.k / A8_BLOCK;
     const int isa = a8_isa();
+#if defined(A8_HAVE_ZMM)
+    if (isa == A8_VNNI && a.m > A8_ROWS) return z_drive<Q>(a, nb);  // measured crossover
+#endif
+    const int64_t bytes = a.m * nb * 8 + a.m * a.k;
     uint8_t* buf = nullptr;
+    if (a.m <= A8_ROWS) buf = a8_buffer(bytes);
+    else {
 #pragma omp single copyprivate(buf)
-    buf = a8_buffer(a.m * nb * 8 + a.m * a.k);
+        buf = a8_buffer(bytes);
+    }
     float* d = reinterpret_cast<float*>(buf);
     float* s = d + a.m * nb;
     int8_t* q = reinterpret_cast<int8_t*>(s + a.m * nb);
+    if (a.m <= A8_ROWS) {
+        for (int64_t r = 0; r < a.m; ++r)
+            quantize_row(a.x + r * a.x_stride, nb, q + r * a.k, d + r * nb, s + r * nb);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < a.m; ++r)
-        quantize_row(a.x + r * a.x_stride, nb, q + r * a.k, d + r * nb, s + r * nb);
+        for (int64_t r = 0; r < a.m; ++r)
+            quantize_row(a.x + r * a.x_stride, nb, q + r * a.k, d + r * nb, s + r * nb);
+    }
     const A8Rows x{q, d, s, a.k, nb};
-#if defined(A8_HAVE_ZMM)
-    if (isa == A8_VNNI && a.m > A8_ROWS) return z_drive<Q>(a, x);  // measured crossover
-#endif
     const int64_t groups = (a.n + A8_NR - 1) / A8_NR;
     const int64_t rows = std::max<int64_t>(A8_ROWS, A8_X_BLOCK_BYTES / a.k / A8_ROWS * A8_ROWS);
     const int64_t units = (a.m + rows - 1) / rows * groups;

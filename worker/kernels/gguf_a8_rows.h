@@ -8,22 +8,27 @@ constexpr int ZRN = 8;                     // weight rows per strip
 constexpr int Z_BLOCK_BYTES = 8 * 64 + 2 * ZMV * 4;  // a tile's bytes per block of 32
 constexpr int64_t Z_X_BLOCK_BYTES = 256 << 10;       // packed tiles per unit, ~this many
 
-// Tile t of the quantized rows into `out` (nb blocks of Z_BLOCK_BYTES); rows past m are zeros
-// (a = 0, d = s = 0).
-inline void z_pack(const A8Rows& x, int64_t m, int64_t t, uint8_t* out) {
-    for (int64_t b = 0; b < x.nb; ++b) {
-        uint8_t* p = out + b * Z_BLOCK_BYTES;
-        float* d = reinterpret_cast<float*>(p + 512);
-        for (int i = 0; i < ZMV; ++i) {
-            const int64_t row = t * ZMV + i;
+// Tile t of x's rows quantized (quantize_row) and packed into `out` (nb blocks of
+// Z_BLOCK_BYTES); rows past m are zeros (a = 0, d = s = 0). Uses the thread's a8_buffer.
+inline void z_pack(const Args& a, int64_t nb, int64_t t, uint8_t* out) {
+    int8_t* q = reinterpret_cast<int8_t*>(a8_buffer(a.k + nb * 8));
+    float* d = reinterpret_cast<float*>(q + a.k);  // k is a multiple of 32: aligned
+    float* s = d + nb;
+    for (int i = 0; i < ZMV; ++i) {
+        const int64_t row = t * ZMV + i;
+        const bool real = row < a.m;
+        if (real) quantize_row(a.x + row * a.x_stride, nb, q, d, s);
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* p = out + b * Z_BLOCK_BYTES;
             for (int c = 0; c < 8; ++c) {
                 uint32_t v = 0;
-                if (row < m) std::memcpy(&v, x.q + row * x.k + b * 32 + 4 * c, 4);
+                if (real) std::memcpy(&v, q + b * 32 + 4 * c, 4);
                 v ^= 0x80808080u;  // a + 128 per byte
                 std::memcpy(p + (c * ZMV + i) * 4, &v, 4);
             }
-            d[i] = row < m ? x.d[row * x.nb + b] : 0.0f;
-            d[ZMV + i] = row < m ? x.s[row * x.nb + b] : 0.0f;
+            float* ds = reinterpret_cast<float*>(p + 512);
+            ds[i] = real ? d[b] : 0.0f;
+            ds[ZMV + i] = real ? s[b] : 0.0f;
         }
     }
 }
@@ -95,32 +100,32 @@ SIMD_INLINE void z_tile(const uint8_t* xt, const int8_t* q, const float* f, int6
     for (int r = 0; r < ZRN; ++r) _mm512_storeu_ps(out + r * ZMV, acc[r]);
 }
 
-// The driver (every thread of a region calls it, or one thread outside any), after x is
-// quantized: tiles packed (threads split them), then units of (block of tiles of
+// The driver (every thread of a region calls it, or one thread outside any): x's tiles
+// quantized and packed (threads split them), then units of (block of tiles of
 // ~Z_X_BLOCK_BYTES) × (strip of ZRN weight rows), x-block-major.
 template <class Q>
-void z_drive(const Args& a, const A8Rows& x) {
+void z_drive(const Args& a, int64_t nb) {
     const int64_t tiles = (a.m + ZMV - 1) / ZMV, strips = (a.n + ZRN - 1) / ZRN;
-    const int64_t tile_bytes = x.nb * Z_BLOCK_BYTES;
+    const int64_t tile_bytes = nb * Z_BLOCK_BYTES;
     const int64_t block = std::max<int64_t>(1, Z_X_BLOCK_BYTES / tile_bytes);
     const int64_t units = (tiles + block - 1) / block * strips;
     uint8_t* xt = nullptr;
 #pragma omp single copyprivate(xt)
     xt = reinterpret_cast<uint8_t*>(thread_buffer(0, (tiles * tile_bytes + 64) / 4 + 16));
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) z_pack(x, a.m, t, xt + t * tile_bytes);
-    int8_t* const q = reinterpret_cast<int8_t*>(thread_buffer(1, x.nb * ZRN * (8 + 4)));
-    float* const f = reinterpret_cast<float*>(q + x.nb * ZRN * 32);
+    for (int64_t t = 0; t < tiles; ++t) z_pack(a, nb, t, xt + t * tile_bytes);
+    int8_t* const q = reinterpret_cast<int8_t*>(thread_buffer(1, nb * ZRN * (8 + 4)));
+    float* const f = reinterpret_cast<float*>(q + nb * ZRN * 32);
     int64_t staged = -1;
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
         const int64_t n0 = u % strips * ZRN, t0 = u / strips * block;
         const int cols = static_cast<int>(std::min<int64_t>(ZRN, a.n - n0));
-        if (staged != n0) z_stage<Q>(a.w, a.w_stride, a.n, n0, x.nb, q, f);
+        if (staged != n0) z_stage<Q>(a.w, a.w_stride, a.n, n0, nb, q, f);
         staged = n0;
         for (int64_t t = t0; t < std::min(tiles, t0 + block); ++t) {
             alignas(64) float out[ZRN * ZMV];
-            z_tile<Q::kOffset>(xt + t * tile_bytes, q, f, x.nb, out);
+            z_tile<Q::kOffset>(xt + t * tile_bytes, q, f, nb, out);
             const int rows = static_cast<int>(std::min<int64_t>(ZMV, a.m - t * ZMV));
             for (int i = 0; i < rows; ++i) {
                 float* y = a.y + (t * ZMV + i) * a.y_stride + n0;
