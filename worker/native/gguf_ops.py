@@ -27,7 +27,7 @@ from worker.native.library import I32, I64, PTR, UNAVAILABLE, build_library, ent
 logger = logging.getLogger("deltaserve")
 
 SOURCES = ("gguf_matmul.cpp", "cpu_dtypes.h", "cpu_simd.h", "gguf_blocks.h", "gguf_gemv.h",
-           "gguf_gemm.h", "gguf_a8.h", "gguf_a8_rows.h")
+           "gguf_gemm.h", "gguf_a8.h", "gguf_a8_types.h", "gguf_a8_rows.h")
 # qtype, w, w_stride, x, x_stride, y, y_stride, m, n, k, accumulate, num_threads
 _MATMUL_ARGS = [I32, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I32, I32]
 # qtype, w, w_stride, out, out_stride, n, k
