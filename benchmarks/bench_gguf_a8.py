@@ -38,31 +38,37 @@ PREFILL = (8, 512)
 def kernels_section(args) -> None:
     ops = gguf_ops.load()
     best = ops.a8_isa
-    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    print(f"kernels ({args.threads} threads; a8 variant here: {best}), ms per call, "
-          f"median (min..max) of {args.rounds * 3} interleaved samples:")
-    for qtype, n, k in KERNEL_SHAPES:
-        w = gguf_ops.random_blocks(qtype, n, k, g)
-        for m in (1, 8, 64, 512):
-            x = torch.randn(m, k, generator=g)
-            reps = max(1, int(2e8 / (m * n * k)))
-            runs = {"exact": (best, False), f"a8 {best}": (best, True),
-                    "a8 avx2": ("avx2", True)}
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(args.rounds * 3):
-                for name, (isa, a8) in runs.items():
-                    ops.set_a8_isa(isa)
-                    ops.matmul(x, w, qtype, n, k, a8=a8)
-                    start = time.perf_counter()
-                    for _ in range(reps):
-                        ops.matmul(x, w, qtype, n, k, a8=a8)
-                    times[name].append((time.perf_counter() - start) / reps * 1e3)
-            ops.set_a8_isa(best)
-            med = {name: statistics.median(v) for name, v in times.items()}
-            print(f"  {qtype} {n}x{k} M={m:3d}: " + ", ".join(
-                f"{name} {spread(v)} ({med['exact'] / med[name]:.2f}x)"
-                for name, v in times.items()))
+    for threads in sorted({1, args.threads}):
+        torch.set_num_threads(threads)
+        print(f"kernels ({threads} threads; a8 variant here: {best}), ms per call, median "
+              f"(min..max) of {args.rounds * 3} interleaved samples, (exact / this):")
+        for qtype, n, k in KERNEL_SHAPES:
+            w = gguf_ops.random_blocks(qtype, n, k, g)
+            for m in (1, 8, 64, 512):
+                kernel_row(ops, best, args.rounds * 3, qtype, w, n, k,
+                           torch.randn(m, k, generator=g))
+    ops.set_a8_isa(best)
+
+
+def kernel_row(ops, best: str, samples: int, qtype: str, w: torch.Tensor, n: int, k: int,
+               x: torch.Tensor) -> None:
+    m = x.shape[0]
+    reps = max(1, int(2e8 / (m * n * k)))
+    runs = {"exact": (best, False), f"a8 {best}": (best, True), "a8 avx2": ("avx2", True)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(samples):
+        for name, (isa, a8) in runs.items():
+            ops.set_a8_isa(isa)
+            ops.matmul(x, w, qtype, n, k, a8=a8)
+            start = time.perf_counter()
+            for _ in range(reps):
+                ops.matmul(x, w, qtype, n, k, a8=a8)
+            times[name].append((time.perf_counter() - start) / reps * 1e3)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"  {qtype} {n}x{k} M={m:3d}: " + ", ".join(
+        f"{name} {med[name]:.3f} ({min(v):.3f}..{max(v):.3f}; {med['exact'] / med[name]:.2f}x)"
+        for name, v in times.items()), flush=True)
 
 
 def ppl_section(args, smollm2: str) -> None:
