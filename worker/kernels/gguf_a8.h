@@ -202,19 +202,20 @@ uint8_t* a8_buffer(int64_t size) {
     return reinterpret_cast<uint8_t*>((p + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// Many rows with 512-bit VNNI (gguf_a8_rows), x rows in lanes: a tile of ZMV = 16 x rows is
-// packed per block as 8 chunks of [16 rows][4 bytes] (elements 4c..4c+3 of each row, as
-// unsigned a + 128), then d[16], s[16]; a strip of ZRN weight rows is decoded once into a
-// stage of signed bytes per block (and dw, m, -128 Σq per row and block). Then per (weight
-// row, block): 8 vpdpbusd with the row's 4 bytes broadcast against the tile's chunks sum
-// Σ (a + 128) q for all 16 x rows at once, starting from -128 Σ q, so the int32 lanes hold
-// Σ a q exactly; one conversion and one fused multiply-add by dw * d per 512 products.
-#if defined(A8_HAVE_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Many rows (gguf_a8_rows.h), x rows in lanes: a tile of MV x rows (16 with 512-bit VNNI, 8
+// with AVX2) is packed per block as 8 chunks of [MV rows][4 bytes] (elements 4c..4c+3 of each
+// row, as unsigned a + 128), then d[MV], s[MV]; a strip of ZRN weight rows is decoded once
+// into a stage of signed bytes per block (and dw, m, -128 Σq per row and block). Then per
+// (weight row, block): 8 vpdpbusd (or vpmaddubsw pairs) with the row's 4 bytes broadcast
+// against the tile's chunks sum Σ (a + 128) q for all MV x rows at once, starting from
+// -128 Σ q, so the int32 lanes hold Σ a q exactly; one conversion and one fused multiply-add
+// by dw * d per 32 * MV products.
+#if defined(__AVX2__)
 #include "gguf_a8_rows.h"
 #endif
 
 // The 8-bit-activation driver, called by every thread of a parallel region (or by one thread
-// outside any). Many rows with 512-bit VNNI: z_drive. Else x is quantized first: up to
+// outside any). Many rows: z_drive (AVX2: 4- and 5-bit types). Else x is quantized first: up to
 // A8_ROWS rows (decode) by every thread for itself (no barrier; a few K bytes), more by the
 // team into one shared buffer; then units of (block of ~A8_X_BLOCK_BYTES quantized x rows) ×
 // (A8_NR weight rows), x-block-major, so a thread's consecutive units reuse its x block from
@@ -224,7 +225,10 @@ void a8_drive(const Args& a) {
     const int64_t nb = a.k / A8_BLOCK;
     const int isa = a8_isa();
 #if defined(A8_HAVE_ZMM)
-    if (isa == A8_VNNI && a.m > A8_ROWS) return z_drive<Q>(a, nb);  // measured crossover
+    if (isa == A8_VNNI && a.m > A8_ROWS) return z_drive<Q, 16>(a, nb);  // measured crossover
+#endif
+#if defined(__AVX2__)
+    if (isa >= A8_AVX2 && Q::kMaxAbs <= 32 && a.m > A8_ROWS) return z_drive<Q, 8>(a, nb);
 #endif
     const int64_t bytes = a.m * nb * 8 + a.m * a.k;
     uint8_t* buf = nullptr;

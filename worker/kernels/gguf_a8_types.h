@@ -32,6 +32,7 @@ inline __m256i high_bits_v(uint32_t qh) {
 
 struct A8Q4_0 {
     static constexpr int kBytes = 18;
+    static constexpr int kMaxAbs = 8;  // largest |q|
     static constexpr bool kSigned = true, kOffset = false;
     static float m(const uint8_t*) { return 0.0f; }
     static void quants(const uint8_t* b, int8_t* q) {
@@ -46,6 +47,7 @@ struct A8Q4_0 {
 };
 struct A8Q4_1 {
     static constexpr int kBytes = 20;
+    static constexpr int kMaxAbs = 15;  // largest |q|
     static constexpr bool kSigned = false, kOffset = true;
     static float m(const uint8_t* b) { return f16(b + 2); }
     static void quants(const uint8_t* b, int8_t* q) { nibbles_scalar(b + 4, q); }
@@ -55,6 +57,7 @@ struct A8Q4_1 {
 };
 struct A8Q5_0 {
     static constexpr int kBytes = 22;
+    static constexpr int kMaxAbs = 16;  // largest |q|
     static constexpr bool kSigned = true, kOffset = false;
     static float m(const uint8_t*) { return 0.0f; }
     static void quants(const uint8_t* b, int8_t* q) {
@@ -71,6 +74,7 @@ struct A8Q5_0 {
 };
 struct A8Q5_1 {
     static constexpr int kBytes = 24;
+    static constexpr int kMaxAbs = 31;  // largest |q|
     static constexpr bool kSigned = false, kOffset = true;
     static float m(const uint8_t* b) { return f16(b + 2); }
     static void quants(const uint8_t* b, int8_t* q) {
@@ -85,6 +89,7 @@ struct A8Q5_1 {
 };
 struct A8Q8_0 {
     static constexpr int kBytes = 34;
+    static constexpr int kMaxAbs = 128;  // largest |q|
     static constexpr bool kSigned = true, kOffset = false;
     static float m(const uint8_t*) { return 0.0f; }
     static void quants(const uint8_t* b, int8_t* q) { std::memcpy(q, b + 2, 32); }
