@@ -3,8 +3,9 @@ exact `gguf` mode and llama.cpp on the same GGUF file, same run, rounds interlea
 
 Sections (--sections; all by default):
   kernels  the GGUF products alone, SmolLM2's shapes (Q4_1 gate_up 3072x576, down 576x1536,
-           the Q8_0 LM head 49152x576), M = 1, 8, 64, 512 rows: exact vs a8 (the CPU's
-           variant) vs a8 AVX2, interleaved, ms per call.
+           the Q8_0 LM head 49152x576), M = 1, 8, 64, 512 rows, 1 thread and --threads:
+           exact vs a8 (the CPU's variant), and the -march=x86-64-v3 build (what an AVX2
+           host compiles) exact vs a8, interleaved, ms per call.
   stream   SmolLM2 one stream: 6 short chat prompts x 128 tokens (ignore_eos), whole calls:
            gguf_a8 vs gguf vs llama.cpp (--llamacpp-python) on the very same file.
   prefill  8 random-token prompts of 512 tokens at once, 1 output token each: gguf_a8 vs
@@ -38,36 +39,38 @@ PREFILL = (8, 512)
 def kernels_section(args) -> None:
     ops = gguf_ops.load()
     best = ops.a8_isa
+    builds = {"exact": (ops, False), f"a8 {best}": (ops, True),
+              "v3 exact": (gguf_ops.load("x86-64-v3"), False),
+              "v3 a8": (gguf_ops.load("x86-64-v3"), True)}
     g = torch.Generator().manual_seed(0)
     for threads in sorted({1, args.threads}):
         torch.set_num_threads(threads)
         print(f"kernels ({threads} threads; a8 variant here: {best}), ms per call, median "
-              f"(min..max) of {args.rounds * 3} interleaved samples, (exact / this):")
+              f"(min..max) of {args.rounds * 3} interleaved samples; x: its build's "
+              "exact / this")
         for qtype, n, k in KERNEL_SHAPES:
             w = gguf_ops.random_blocks(qtype, n, k, g)
             for m in (1, 8, 64, 512):
-                kernel_row(ops, best, args.rounds * 3, qtype, w, n, k,
+                kernel_row(builds, args.rounds * 3, qtype, w, n, k,
                            torch.randn(m, k, generator=g))
-    ops.set_a8_isa(best)
 
 
-def kernel_row(ops, best: str, samples: int, qtype: str, w: torch.Tensor, n: int, k: int,
+def kernel_row(builds: dict, samples: int, qtype: str, w: torch.Tensor, n: int, k: int,
                x: torch.Tensor) -> None:
     m = x.shape[0]
     reps = max(1, int(2e8 / (m * n * k)))
-    runs = {"exact": (best, False), f"a8 {best}": (best, True), "a8 avx2": ("avx2", True)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in builds}
     for _ in range(samples):
-        for name, (isa, a8) in runs.items():
-            ops.set_a8_isa(isa)
+        for name, (ops, a8) in builds.items():
             ops.matmul(x, w, qtype, n, k, a8=a8)
             start = time.perf_counter()
             for _ in range(reps):
                 ops.matmul(x, w, qtype, n, k, a8=a8)
             times[name].append((time.perf_counter() - start) / reps * 1e3)
     med = {name: statistics.median(v) for name, v in times.items()}
+    base = {name: med["v3 exact" if name.startswith("v3") else "exact"] for name in med}
     print(f"  {qtype} {n}x{k} M={m:3d}: " + ", ".join(
-        f"{name} {med[name]:.3f} ({min(v):.3f}..{max(v):.3f}; {med['exact'] / med[name]:.2f}x)"
+        f"{name} {med[name]:.3f} ({min(v):.3f}..{max(v):.3f}; {base[name] / med[name]:.2f}x)"
         for name, v in times.items()), flush=True)
 
 
