@@ -12,33 +12,15 @@ from __future__ import annotations
 import torch
 
 from worker.native import gguf_ops
+from worker.native.q8_activations import BLOCK, quantize_dequantize, quantize_reference
 
-BLOCK = 32
+__all__ = ["BLOCK", "quantize_dequantize", "quantize_reference", "supported",
+           "matmul_reference"]
 
 
 def supported(qtype: str | int) -> bool:
     """An 8-bit-activation kernel exists for this GGML type (by name or code)."""
     return gguf_ops.supported(qtype) and gguf_ops.gguf_type(qtype).name in gguf_ops.A8_TYPES
-
-
-def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] -> q int8 [M, K], d and s float32 [M, K / 32], bit for bit the
-    kernels' (float32 throughout, round half to even): d = amax / 127, q = round(x * (1 / d)),
-    s = d * Σ q."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1) / torch.tensor(127.0)
-    inv = torch.where(d != 0, torch.tensor(1.0) / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv[..., None]).to(torch.int8)
-    s = d * q.sum(-1, dtype=torch.int32).float()
-    return q.reshape(m, k), d, s
-
-
-def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
-    """x̂ = d · q per block (float32 [M, K]): the activations the products see."""
-    q, d, _ = quantize_reference(x)
-    m, k = x.shape
-    return (q.reshape(m, k // BLOCK, BLOCK).float() * d[..., None]).reshape(m, k)
 
 
 def matmul_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
+from worker.native.q8_activations import quantize_dequantize
 
 logger = logging.getLogger("deltaserve")
 
@@ -234,7 +235,6 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: 
         raise ValueError("accumulate=True needs `out`")
     x2 = _activation_rows(x, k)
     if a8:
-        from worker.native.gguf_a8 import quantize_dequantize
         x2 = quantize_dequantize(x2)
     y = x2 @ dequantize_reference(qweight, qtype, n, k).T
     if out is None:
