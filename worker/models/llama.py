@@ -40,7 +40,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+                metadata: AttentionMetadata, rotary: RotaryEmbedding,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] (with `rows`: only those token rows are projected out)."""
         n, d = hidden.shape[0], self.head_dim
         q, k, v = self.qkv_proj(hidden).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -49,7 +51,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)
         q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * d))
+        out = out.reshape(n, self.num_heads * d)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -130,21 +133,22 @@ class LlamaDecoderLayer(nn.Module):
         """`forward` for the model's last layer when only token `rows` ([n] indices) are read
         after it: attention runs over every token (all KV is written), the rest on those rows.
         Returns (pending MLP output, residual), both [n, hidden_size]."""
-        attn = self._attend(positions, pending, residual, kv_cache, metadata, rotary)
-        attn, residual = attn[rows], residual[rows]
+        attn = self._attend(positions, pending, residual, kv_cache, metadata, rotary, rows)
+        residual = residual[rows]
         dtype = self.dtype
         return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, dtype)), residual
 
     def _attend(self, positions: torch.Tensor, pending: torch.Tensor | None,
                 residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
-                rotary: RotaryEmbedding) -> torch.Tensor:
-        """The pending output added to `residual` (in place), normed, and attended."""
+                rotary: RotaryEmbedding, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The pending output added to `residual` (in place), normed, and attended (every
+        token's attention output, or with `rows` those rows')."""
         dtype = self.dtype
         if pending is None:
             hidden = self.input_layernorm(residual, dtype)
         else:
             hidden = self.input_layernorm.add_and_norm(pending, residual, dtype)
-        return self.self_attn(positions, hidden, kv_cache, metadata, rotary)
+        return self.self_attn(positions, hidden, kv_cache, metadata, rotary, rows)
 
 
 class LlamaModel(nn.Module):
