@@ -40,8 +40,8 @@ class PoolingMixin:
         token_embed or token_classify; None: the parameters' task, else the model's)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(pooling_params, len(prompts))
-        inputs = [self.inputs.process_pooling(p, sp, pooling_task, True, truncate_prompt_tokens)
-                  for p, sp in zip(prompts, params)]
+        inputs = self.inputs.process_pooling_many(prompts, params, pooling_task, True,
+                                                  truncate_prompt_tokens)
         return self._run_pooling(inputs, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
