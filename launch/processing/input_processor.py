@@ -240,12 +240,19 @@ def per_prompt(params: Any, count: int, defaults: dict[str, Any] | None = None) 
     applies to all)."""
     if params is None:
         return [SamplingParams(**(defaults or {}))] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if not isinstance(params, Sequence) or isinstance(params, (str, bytes, dict)):
-        raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
-                         f"{type(params).__name__}")
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"{len(params)} sampling parameter sets for {count} prompts")
-    return params
+    return one_per_prompt(params, count, "sampling_params", SamplingParams,
+                          "sampling parameter sets")
+
+
+def one_per_prompt(value: Any, count: int, field: str, kind: type, plural: str) -> list[Any]:
+    """`value` for each of `count` prompts: one `kind` (or None) applies to all, a list gives
+    one each; ValueError naming `field` for anything else or a list of another length."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes, dict)):
+        raise ValueError(f"{field} must be {kind.__name__} or a list of them, got "
+                         f"{type(value).__name__}")
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{len(values)} {plural} for {count} prompts")
+    return values
