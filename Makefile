@@ -42,8 +42,8 @@ DEMO_CODE ?= def fibonacci(n):
 # DEMO_MODEL=launch/model_cache/default_model.
 DEMO_MODEL ?= smollm2
 
+# The first run compiles the kernels the model uses (once; `make kernels` compiles them all).
 demo: install
-	$(VENV)/bin/deltaserve kernels build
 	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40
 	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --prompt "$(DEMO_CODE)" --max-tokens 80 --temperature 0
 	$(VENV)/bin/deltaserve generate --model $(DEMO_MODEL) --chat --prompt "$(DEMO_CHAT)" --max-tokens 40 --tensor-parallel-size 2

@@ -80,9 +80,10 @@ def test_every_library_in_the_code_is_prebuilt():
 
 
 def test_a_step_never_compiles(tmp_path, monkeypatch):
-    """With an empty cache, the model runner compiles every library before it exists and
-    nothing during steps (the compiler here copies this checkout's cached builds, whose keys
-    are the same). int8 weights: the native layer loop and every kernel library run."""
+    """With an empty cache, the model runner compiles every library its model uses before it
+    exists and nothing during steps (the compiler here copies this checkout's cached builds,
+    whose keys are the same). int8 weights: the native layer loop and every kernel library a
+    dense model at TP=1 uses run; the experts' and the ranks' libraries are not compiled."""
     from model_utils import make_tiny_model
 
     from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
@@ -108,8 +109,17 @@ def test_a_step_never_compiles(tmp_path, monkeypatch):
         so = scheduler.schedule()
         scheduler.update_from_output(so, runner.execute_model(so))
     assert runner.model.model.native_loop  # the native layer loop ran the decode steps
-    assert {tag for tag, _ in compiled} == {lib.tag for lib in prebuild.declared_libraries()}
+    used = prebuild.libraries_for(library.KernelUse(experts=False, tensor_parallel=False))
+    assert {tag for tag, _ in compiled} == {lib.tag for lib in used}
+    assert {"fused-moe", "shm-all-reduce"}.isdisjoint(lib.tag for lib in used)
     assert {when for _, when in compiled} == {"init"}
+
+
+def test_a_moe_model_and_ranks_get_their_libraries():
+    every = {lib.tag for lib in prebuild.declared_libraries()}
+    assert {lib.tag for lib in prebuild.libraries_for(library.KernelUse())} == every
+    dense = {lib.tag for lib in prebuild.libraries_for(library.KernelUse(experts=False))}
+    assert every - dense == {"fused-moe"}
 
 
 def test_a_rejected_source_is_reported_once_and_not_recompiled(tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
-from worker.native.prebuild import prebuild
+from worker.native.library import KernelUse
+from worker.native.prebuild import libraries_for, prebuild
 from worker.pooling.pooler import Pooler
 from worker.pooling.pooling_head import PoolingHead
 from worker.sample.rejection_sampler import RejectionSampler
@@ -62,8 +63,11 @@ class ModelRunner:
                            "dense weights only", self.quantization, config.dtype)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
-        if self.device.type == "cpu":  # every kernel compiled now, never inside a step
-            prebuild(say=logger.info if self.tp.rank == 0 else None)
+        if self.device.type == "cpu":  # every kernel it uses compiled now, never in a step
+            use = KernelUse(experts=self.model_config.moe is not None
+                            or config.speculative_config is not None,
+                            tensor_parallel=self.tp.world_size > 1)
+            prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization,

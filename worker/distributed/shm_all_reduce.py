@@ -40,7 +40,8 @@ logger = logging.getLogger("deltaserve")
 ENV_SWITCH = "DELTASERVE_SHM_ALLREDUCE"
 SLOT_BYTES = 8 << 20  # per rank and parity: a [3600, 576] float32 decode step fits
 SHM_DIR = "/dev/shm"
-LIBRARY = NativeLibrary("shm-all-reduce", "shm_all_reduce.cpp")
+LIBRARY = NativeLibrary("shm-all-reduce", "shm_all_reduce.cpp",
+                        needed=lambda use: use.tensor_parallel)
 # base, slot_bytes, rank, world, seq, dtype, x, numel, timeout_s
 _ARGS = [PTR, I64, I32, I32, U64, I32, PTR, I64, F64]
 

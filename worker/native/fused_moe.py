@@ -24,7 +24,7 @@ from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, ent
 
 logger = logging.getLogger("deltaserve")
 
-LIBRARY = NativeLibrary("fused-moe", "fused_moe.cpp")  # prebuilt before a worker is ready
+LIBRARY = NativeLibrary("fused-moe", "fused_moe.cpp", needed=lambda use: use.experts)
 # GGML's codes of the dense types the kernel reads (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this

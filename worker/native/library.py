@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,14 +41,25 @@ def cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class KernelUse:
+    """What a worker's model may call natively: a library whose `needed` says no to it is
+    not compiled before that worker is ready (nor ever, unless something else loads it)."""
+
+    experts: bool = True  # mixture-of-experts layers (here or in a draft model)
+    tensor_parallel: bool = True  # more than one rank
+
+
+@dataclass(frozen=True)
 class NativeLibrary:
     """A library of KERNEL_DIR: `source` is its translation unit (the headers it includes
-    with quotes are found and keyed automatically), `extra_flags` follow CXX_FLAGS.
+    with quotes are found and keyed automatically), `extra_flags` follow CXX_FLAGS;
+    `needed` (None: always) tells whether a worker's model uses it.
     Constructing one registers it in LIBRARIES (one per tag)."""
 
     tag: str
     source: str
     extra_flags: tuple[str, ...] = ()
+    needed: Callable[[KernelUse], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         known = LIBRARIES.setdefault(self.tag, self)

@@ -1,5 +1,6 @@
-"""Compiling every native library before a worker reports ready (and for `deltaserve kernels
-build`), so no step ever waits on a compiler and the step timeout never fires because of one.
+"""Compiling the native libraries a worker's model uses before it reports ready (and every one
+for `deltaserve kernels build`), so no step ever waits on a compiler and the step timeout
+never fires because of one.
 
 The libraries are the `NativeLibrary` declarations of the modules in PACKAGES (imported
 here, so a library declared at module level there is prebuilt without being listed). Those
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from worker.native.library import (
     LIBRARIES,
     UNAVAILABLE,
+    KernelUse,
     NativeLibrary,
     cache_dir,
     local_includes,
@@ -55,6 +57,11 @@ def declared_libraries() -> list[NativeLibrary]:
         for module in pkgutil.iter_modules(package.__path__):
             importlib.import_module(f"{package_name}.{module.name}")
     return [LIBRARIES[tag] for tag in sorted(LIBRARIES)]
+
+
+def libraries_for(use: KernelUse) -> list[NativeLibrary]:
+    """The declared libraries a model that calls what `use` says can load."""
+    return [lib for lib in declared_libraries() if lib.needed is None or lib.needed(use)]
 
 
 def prebuild(libraries: list[NativeLibrary] | None = None, jobs: int | None = None,
