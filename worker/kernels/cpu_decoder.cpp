@@ -30,7 +30,8 @@
 //   layer i, each adapter's rows get y[r] += (x[r] · aᵀ) · b with its factors of target
 //   4 i + j: a [rank, K], b [rank, N] (float32, the scaling folded into b; a null a: that
 //   adapter leaves the layer alone). rows[bounds[n]:bounds[n + 1]] are adapter n's step rows;
-//   t [rows, max rank] is scratch.
+//   t [rows, max rank] is scratch. cpu_decoder_lora_delta applies one linear's deltas alone
+//   (the Python layer loop's), its tables then indexed by that loop's target index.
 #include <cstdint>
 
 namespace {
@@ -255,6 +256,18 @@ int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, i
         }
     }
     return status;
+}
+
+// The LoRA deltas of one linear outside the loop (the Python layer loop's, float32): the
+// same lora_delta in a parallel region of its own. Status: 0, or 1 for bad arguments.
+__attribute__((visibility("default")))
+int cpu_decoder_lora_delta(const LoRAStep* lora, int64_t target, const float* x,
+                           int64_t x_stride, float* y, int64_t y_stride, int64_t k, int64_t n,
+                           int num_threads) {
+    if (num_threads <= 0 || !lora || target < 0 || k < 0 || n < 0) return 1;
+#pragma omp parallel num_threads(num_threads)
+    lora_delta(lora, target, x, x_stride, y, y_stride, k, n);
+    return 0;
 }
 
 }  // extern "C"
