@@ -12,6 +12,10 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
                                              (its batch API, as llama.cpp's `batched`
                                              example), greedy, all max_tokens; the context
                                              is made on first use and cleared each call)
+  perplexity {model_path, ids, n_threads} -> {perplexity}       (a second Llama with all logits:
+                                             exp of the mean NLL of ids[1:])
+  prompts {prompts: [[token ids]]}        -> {seconds, tokens}   (each prompt evaluated from an
+                                             empty KV state: prompt processing only)
   quit
 """
 from __future__ import annotations
@@ -108,7 +112,32 @@ def complete(prompt: str, max_tokens: int) -> dict:
             "text": reply["choices"][0]["text"]}
 
 
-OPS = {"init": init, "chat": chat, "complete": complete, "batch": batch}
+def prompts(prompts: list[list[int]]) -> dict:
+    llm = STATE["llm"]
+    seconds = 0.0
+    for ids in prompts:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        seconds += time.perf_counter() - start
+    return {"seconds": seconds, "tokens": sum(len(ids) for ids in prompts)}
+
+
+def perplexity(model_path: str, ids: list[int], n_threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=len(ids) + 16, n_batch=len(ids) + 16,
+                          n_threads=n_threads, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -logprobs[np.arange(len(ids) - 1), ids[1:]].mean()
+    return {"perplexity": float(np.exp(nll))}
+
+
+OPS = {"init": init, "chat": chat, "complete": complete, "batch": batch, "prompts": prompts,
+       "perplexity": perplexity}
 
 
 def main() -> None:

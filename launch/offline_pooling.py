@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from tqdm import tqdm
 
@@ -21,7 +20,7 @@ from launch.pooling_outputs import (
     as_classification,
     as_embedding,
 )
-from launch.processing.input_processor import PromptType
+from launch.processing.input_processor import PromptType, one_per_prompt
 from launch.processing.pooling import GENERATE_ONLY, PooledInput
 from launch.processing.pooling_state import POOLING_SAMPLING, PoolingRequestState
 from launch.processing.scoring import plan_scoring
@@ -39,9 +38,10 @@ class PoolingMixin:
         """The pooler's raw output for each prompt (`pooling_task`: embed, classify,
         token_embed or token_classify; None: the parameters' task, else the model's)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = _per_prompt(pooling_params, len(prompts))
-        inputs = [self.inputs.process_pooling(p, sp, pooling_task, True, truncate_prompt_tokens)
-                  for p, sp in zip(prompts, params)]
+        params = one_per_prompt(pooling_params, len(prompts), "pooling_params", PoolingParams,
+                                "pooling parameter sets")
+        inputs = self.inputs.process_pooling_many(prompts, params, pooling_task, True,
+                                                  truncate_prompt_tokens)
         return self._run_pooling(inputs, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
@@ -105,15 +105,3 @@ class PoolingMixin:
             finally:
                 progress.close()
         return [state.output() for state in states]
-
-
-def _per_prompt(params: Any, count: int) -> list[PoolingParams | None]:
-    if params is None or isinstance(params, PoolingParams):
-        return [params] * count
-    if not isinstance(params, Sequence) or isinstance(params, (str, bytes, dict)):
-        raise ValueError(f"pooling_params must be PoolingParams or a list of them, got "
-                         f"{type(params).__name__}")
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"{len(params)} pooling parameter sets for {count} prompts")
-    return params

@@ -15,7 +15,7 @@ from protocol.speculative_config import SpeculativeConfig
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Quantization = Literal["auto", "gguf", "int8", "none"]
+Quantization = Literal["auto", "gguf", "gguf_a8", "int8", "none"]
 ExecutorBackend = Literal["mp", "ray"]
 Runner = Literal["auto", "generate", "pooling"]
 Convert = Literal["auto", "none", "embed", "classify"]
@@ -36,7 +36,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     device: Annotated[str, _opt("auto, cpu or cuda[:N]")] = "auto"
     dtype: Annotated[DType, _opt("weights and activations; auto: the checkpoint's")] = "auto"
     quantization: Annotated[Quantization, _opt(
-        "weights: gguf keeps a GGUF file's blocks and multiplies them as they are; int8 "
+        "weights: gguf keeps a GGUF file's blocks and multiplies them as they are; gguf_a8 "
+        "multiplies them with activations quantized to 8 bits per block (llama.cpp's "
+        "arithmetic, integer dot products; not exact, never chosen by auto); int8 "
         "quantizes a dense model at load (a scale per output channel); none runs dense "
         "weights (a GGUF file dequantized to float32); auto: gguf for a GGUF model (a .gguf "
         "file, smollm2, gemma3-270m), none otherwise. Quantized weights compute in float32",

@@ -70,7 +70,7 @@ def test_keys_follow_the_flags_and_the_checkout_path_does_not(monkeypatch):
 
 
 def test_every_library_in_the_code_is_prebuilt():
-    """Each NativeLibrary declared (or build_library called) anywhere in the worker is one
+    """Each NativeLibrary declared anywhere in the worker is one
     the prebuild knows, so no library can be compiled lazily inside a step."""
     declared = {lib.tag for lib in prebuild.declared_libraries()}
     pattern = re.compile(r'(?:NativeLibrary|build_library)\(\s*"([\w-]+)"')

@@ -9,6 +9,7 @@ from model_utils import make_tiny_model
 from pooling_utils import cosine, hf_classifier_logits, hf_hidden, hf_pooled, make_classifier
 
 from launch import LLM, PoolingParams
+from launch.processing.tokenizer import JsonTokenizer
 from replay import replay
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
@@ -72,6 +73,25 @@ def test_refusals_name_the_field_or_the_runner(embedder):
                .outputs.embedding) == 64  # a pooling prompt may fill max_model_len
 
 
+def test_prompts_are_tokenized_in_one_batch_as_one_by_one(embedder):
+    """`embed` tokenizes its texts in one tokenizer call: the ids are each text's own, in
+    order among token-id prompts, and a bad prompt anywhere is refused before any is sent."""
+    _, llm, _ = embedder
+    assert isinstance(llm.tokenizer, JsonTokenizer)
+    mixed = [TEXTS[0], {"prompt_token_ids": [5, 6, 7]}, *TEXTS[1:]]
+    outs = llm.embed(mixed, use_tqdm=False)
+    assert outs[1].prompt_token_ids == [5, 6, 7] and outs[1].prompt is None
+    for text, out in zip(TEXTS, outs[:1] + outs[2:]):
+        assert out.prompt == text
+        assert out.prompt_token_ids == llm.tokenizer.encode(text)
+    with pytest.raises(ValueError, match="a prompt must be a string or a dict"):
+        llm.embed([TEXTS[0], 7], use_tqdm=False)
+    with pytest.raises(ValueError, match="characters, more than max_model_len"):
+        llm.embed([TEXTS[0], "x" * 100_000], use_tqdm=False)
+    (cut, _) = llm.embed([TEXTS[0], TEXTS[1]], truncate_prompt_tokens=3, use_tqdm=False)
+    assert cut.prompt_token_ids == llm.tokenizer.encode(TEXTS[0])[:3]
+
+
 def test_a_recorded_pooling_run_replays(embedder, capsys):
     _, llm, journal = embedder
     llm.embed(TEXTS, use_tqdm=False)
@@ -107,3 +127,4 @@ def test_tensor_parallel_embeddings(tmp_path):
     for out in outs:
         want = hf_pooled(hf_hidden(model, out.prompt_token_ids), "LAST", True)
         assert cosine(np.array(out.outputs.embedding), want) > COSINE
+

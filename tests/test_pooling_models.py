@@ -233,3 +233,35 @@ def test_truncated_dimensions_are_normalized_after_truncation(decoders):
                                                             use_activation=normalize))
         want = hf_pooled(hf_hidden(model, PROMPTS[0])[:, :16], "LAST", normalize)
         assert got.shape == (16,) and np.abs(got - want).max() < 1e-5
+
+
+def test_last_pooling_runs_the_last_layer_on_pooled_rows_only(decoders):
+    """With LAST pooling the model returns only each finishing prompt's last row (the last
+    layer's MLP runs on those alone); a per-token request in the step makes it return every
+    row. Either way the vectors are transformers'."""
+    model = decoders["qwen3"]
+    engine = PoolingEngine(model, convert="embed")
+    asked = []
+    forward = engine.runner.model.forward
+
+    def spy(*args, out_rows=None):
+        asked.append(None if out_rows is None else out_rows.tolist())
+        return forward(*args, out_rows=out_rows)
+
+    engine.runner.model.forward = spy
+    got = engine.vectors(PROMPTS)
+    assert asked == [[19, 22, 31, 32]]  # one step; each prompt's last token row
+    for prompt, vector in zip(PROMPTS, got):
+        assert cosine(vector, hf_pooled(hf_hidden(model, prompt), "LAST", True)) > COSINE
+    asked.clear()
+    for name, params in (("a", PoolingParams(task="token_embed")),
+                         ("b", PoolingParams(task="embed"))):
+        assert engine.engine.handle(AddRequest(name, PROMPTS[2], SamplingParams(max_tokens=1),
+                                               1.0, pooling_params=params)) == []
+    outs = {out.request_id: out for out in engine.engine.step()[1]}
+    assert asked == [None]
+    want = hf_hidden(model, PROMPTS[2])
+    rows = np.frombuffer(outs["a"].pooling_output, "<f4").reshape(len(PROMPTS[2]), -1)
+    assert np.abs(rows - torch.nn.functional.normalize(want, dim=-1).numpy()).max() < 1e-5
+    assert cosine(np.frombuffer(outs["b"].pooling_output, "<f4"),
+                  hf_pooled(want, "LAST", True)) > COSINE

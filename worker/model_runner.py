@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -108,10 +109,16 @@ class ModelRunner:
         self.last_step = 0
         # The step's end, given its hidden states: sampling, or a pooling model's pooler.
         self.output_head = self._sampled_output
+        # The token rows whose final states the output head reads (None: all of them).
+        self.output_rows: Callable[[SchedulerOutput, StepInputs], torch.Tensor | None] = (
+            lambda so, step: None)
         if config.runner == "pooling":
             classifier = self.model.classify if config.convert == "classify" else None
+            # (LoRA deltas are per token row: the model then returns every row)
+            selects = getattr(self.model, "selects_rows", False) and not config.enable_lora
             self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
-                                           self.input_batch, answers=self.tp.rank == 0)
+                                           self.input_batch, self.tp.rank == 0, selects)
+            self.output_rows = self.output_head.rows_needed
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -148,7 +155,12 @@ class ModelRunner:
         self.lora.begin_step(so, step)
         for metadata in step.metadata.groups():
             self.attention.plan(metadata)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        rows = self.output_rows(so, step)  # None: every token row's final state
+        if rows is None:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
+                                out_rows=rows)
         return self.output_head(so, step, hidden)
 
     def _sampled_output(self, so: SchedulerOutput, step: StepInputs,

@@ -27,7 +27,7 @@ from launch.processing.pooling import (
     PoolingModelInfo,
     truncate,
 )
-from launch.processing.tokenizer import max_token_chars
+from launch.processing.tokenizer import encode_many, max_token_chars
 from protocol import (
     AddRequest,
     Channel,
@@ -86,14 +86,31 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True
                  ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a string or `{"prompt_token_ids": [...]}` prompt."""
-        if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError("a dict prompt needs 'prompt_token_ids', a list of ints")
-            if not all(type(t) is int for t in ids):
-                raise ValueError("prompt_token_ids must be ints")
-            text = prompt.get("prompt")
-            return (text if isinstance(text, str) else None), list(ids)
+        return self.tokenize_many([prompt], add_special_tokens)[0]
+
+    def tokenize_many(self, prompts: list[PromptType], add_special_tokens: bool = True
+                      ) -> list[tuple[str | None, list[int]]]:
+        """`tokenize` of each prompt, every one checked before the texts are tokenized
+        together (one tokenizer call)."""
+        given = [self._token_prompt(p) if isinstance(p, dict) else None for p in prompts]
+        texts = [self._checked_text(p) for p, pair in zip(prompts, given) if pair is None]
+        encoded = iter(encode_many(self.tokenizer, texts, add_special_tokens))
+        texts_left = iter(texts)
+        return [pair if pair is not None else (next(texts_left), next(encoded))
+                for pair in given]
+
+    @staticmethod
+    def _token_prompt(prompt: dict) -> tuple[str | None, list[int]]:
+        ids = prompt.get("prompt_token_ids")
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError("a dict prompt needs 'prompt_token_ids', a list of ints")
+        if not all(type(t) is int for t in ids):
+            raise ValueError("prompt_token_ids must be ints")
+        text = prompt.get("prompt")
+        return (text if isinstance(text, str) else None), list(ids)
+
+    def _checked_text(self, prompt: Any) -> str:
+        """A text prompt this tokenizer may tokenize, or ValueError saying why not."""
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
@@ -109,7 +126,7 @@ class InputProcessor:
         except UnicodeEncodeError as e:
             raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at position "
                              f"{e.start})") from None
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return prompt
 
     def resolve(self, token_ids: list[int], params: Any, check_constraint: bool = True
                 ) -> SamplingParams:
@@ -165,22 +182,32 @@ class InputProcessor:
                         truncation_side: str | None = None) -> PooledInput:
         """A pooling prompt tokenized, truncated as asked and checked, and its parameters
         resolved against the model (`task` None: the params' or the model's own)."""
+        return self.process_pooling_many([prompt], [params], task, add_special_tokens,
+                                         truncate_prompt_tokens, truncation_side)[0]
+
+    def process_pooling_many(self, prompts: list[PromptType],
+                             params: list[PoolingParams | None], task: str | None = None,
+                             add_special_tokens: bool = True,
+                             truncate_prompt_tokens: int | None = None,
+                             truncation_side: str | None = None) -> list[PooledInput]:
+        """`process_pooling` of each prompt (`params[i]` is prompt i's), the texts tokenized
+        in one tokenizer call."""
         if self.pooling is None:
             raise ValueError(GENERATE_ONLY)
         side = truncation_side or getattr(self.tokenizer, "truncation_side", None) or "right"
         if side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
-        if (isinstance(prompt, str) and truncate_prompt_tokens is not None
-                and len(prompt) > self.max_prompt_chars):  # as vLLM: cut the text first
-            limit = self.max_prompt_chars
-            prompt = prompt[-limit:] if side == "left" else prompt[:limit]
-        text, ids = self.tokenize(prompt, add_special_tokens)
-        ids = truncate(ids, truncate_prompt_tokens, self.ready.max_model_len, side)
-        resolved = self.pooling.resolve(params, task)
+        if truncate_prompt_tokens is not None:  # as vLLM: cut an over-long text first
+            prompts = [_cut_text(p, self.max_prompt_chars, side) for p in prompts]
         ready = self.ready
-        check_prompt(ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
-                     ready.vocab_size, ready.max_kv_tokens, needs_output=False)
-        return PooledInput(text, ids, resolved)
+        inputs = []
+        for (text, ids), sp in zip(self.tokenize_many(prompts, add_special_tokens), params):
+            ids = truncate(ids, truncate_prompt_tokens, ready.max_model_len, side)
+            resolved = self.pooling.resolve(sp, task)
+            check_prompt(ids, ready.max_model_len, ready.num_blocks - 1, ready.block_size,
+                         ready.vocab_size, ready.max_kv_tokens, needs_output=False)
+            inputs.append(PooledInput(text, ids, resolved))
+        return inputs
 
     def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float, priority: Any = 0,
@@ -201,17 +228,31 @@ class InputProcessor:
         return request
 
 
+def _cut_text(prompt: PromptType, limit: int, side: str) -> PromptType:
+    """A text prompt cut to `limit` characters from its `side` end; others as they are."""
+    if not isinstance(prompt, str) or len(prompt) <= limit:
+        return prompt
+    return prompt[-limit:] if side == "left" else prompt[:limit]
+
+
 def per_prompt(params: Any, count: int, defaults: dict[str, Any] | None = None) -> list[Any]:
     """One SamplingParams per prompt (a single one, or None for the model's `defaults`,
     applies to all)."""
     if params is None:
         return [SamplingParams(**(defaults or {}))] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if not isinstance(params, Sequence) or isinstance(params, (str, bytes, dict)):
-        raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
-                         f"{type(params).__name__}")
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"{len(params)} sampling parameter sets for {count} prompts")
-    return params
+    return one_per_prompt(params, count, "sampling_params", SamplingParams,
+                          "sampling parameter sets")
+
+
+def one_per_prompt(value: Any, count: int, field: str, kind: type, plural: str) -> list[Any]:
+    """`value` for each of `count` prompts: one `kind` (or None) applies to all, a list gives
+    one each; ValueError naming `field` for anything else or a list of another length."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes, dict)):
+        raise ValueError(f"{field} must be {kind.__name__} or a list of them, got "
+                         f"{type(value).__name__}")
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{len(values)} {plural} for {count} prompts")
+    return values

@@ -25,6 +25,14 @@ class JsonTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True,
+                     ) -> list[list[int]]:
+        """`encode` of each text, in one call (the library encodes them on its threads)."""
+        if self._tokenizer.padding is not None:  # a batch would be padded to its longest
+            return [self.encode(text, add_special_tokens) for text in texts]
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -79,3 +87,11 @@ def read_json(path: str) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def encode_many(tokenizer: Any, texts: list[str], add_special_tokens: bool = True,
+                ) -> list[list[int]]:
+    """Each text's ids as `tokenizer.encode` gives them; one batch call where it has one."""
+    if isinstance(tokenizer, JsonTokenizer) and len(texts) > 1:
+        return tokenizer.encode_batch(texts, add_special_tokens)
+    return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]

@@ -26,6 +26,9 @@
 // every thread of that team calls it with the same arguments and the driver's rows or units
 // are shared among them (orphaned worksharing loops, the last ending in its barrier).
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -44,6 +47,7 @@ namespace {
 #include "gguf_gemv.h"
 #include "gguf_gemm.h"
 #include "gguf_drive.h"
+#include "gguf_a8.h"
 
 }  // namespace
 
@@ -60,6 +64,18 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
                  accumulate != 0};
     const bool parallel = num_threads > 1 && m * n * k >= PARALLEL_WORK;
     int status = 0;
+    if (qtype & A8_FLAG) {
+        const bool known = with_a8_type(qtype & ~A8_FLAG, [&]<class Q>() {
+            if (k % A8_BLOCK) status = 1;
+            else if (m == 0 || n == 0) return;
+            else if (num_threads == 0) a8_drive<Q>(a);
+            else {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+                a8_drive<Q>(a);
+            }
+        });
+        return known ? status : 2;
+    }
     const bool known = with_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
@@ -85,6 +101,27 @@ int gguf_dequantize(int qtype, const void* w, int64_t w_stride, float* out, int6
                             out + r * out_stride);
     });
     return known ? status : 2;
+}
+
+// x [M, K] (row stride x_stride floats) quantized as the 8-bit-activation products do
+// (gguf_a8.h): q int8 [M, K], d and s float [M, K / 32], contiguous. For tests.
+__attribute__((visibility("default")))
+int gguf_quantize_q8(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* q,
+                     float* d, float* s) {
+    if (m < 0 || k <= 0 || k % A8_BLOCK) return 1;
+    const int64_t nb = k / A8_BLOCK;
+    for (int64_t r = 0; r < m; ++r)
+        quantize_row(x + r * x_stride, nb, q + r * k, d + r * nb, s + r * nb);
+    return 0;
+}
+
+// The 8-bit-activation ISA (0 scalar, 1 AVX2, 2 VNNI): request < 0 returns the one in use;
+// else selects `request` if the build and the CPU have it (returns it), or returns -1.
+__attribute__((visibility("default"))) int gguf_a8_isa(int request) {
+    if (request < 0) return a8_isa();
+    if (request > a8_detect()) return -1;
+    g_a8_isa.store(request);
+    return request;
 }
 
 // Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.

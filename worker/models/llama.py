@@ -40,7 +40,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+                metadata: AttentionMetadata, rotary: RotaryEmbedding,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] (with `rows`: only those token rows are projected out)."""
         n, d = hidden.shape[0], self.head_dim
         q, k, v = self.qkv_proj(hidden).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -49,7 +51,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)
         q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * d))
+        out = out.reshape(n, self.num_heads * d)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -120,13 +123,32 @@ class LlamaDecoderLayer(nn.Module):
         """residual: [num_tokens, hidden_size] float32, updated in place; pending: the
         previous layer's output in the compute dtype, not yet added to it (None for the
         first layer). Returns this layer's pending MLP output."""
+        attn = self._attend(positions, pending, residual, kv_cache, metadata, rotary)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, self.dtype))
+
+    def forward_rows(self, positions: torch.Tensor, pending: torch.Tensor | None,
+                     residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                     rotary: RotaryEmbedding, rows: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for the model's last layer when only token `rows` ([n] indices) are read
+        after it: attention runs over every token (all KV is written), the rest on those rows.
+        Returns (pending MLP output, residual), both [n, hidden_size]."""
+        attn = self._attend(positions, pending, residual, kv_cache, metadata, rotary, rows)
+        residual = residual[rows]
+        dtype = self.dtype
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, dtype)), residual
+
+    def _attend(self, positions: torch.Tensor, pending: torch.Tensor | None,
+                residual: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                rotary: RotaryEmbedding, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The pending output added to `residual` (in place), normed, and attended (every
+        token's attention output, or with `rows` those rows')."""
         dtype = self.dtype
         if pending is None:
             hidden = self.input_layernorm(residual, dtype)
         else:
             hidden = self.input_layernorm.add_and_norm(pending, residual, dtype)
-        attn = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
-        return self.mlp(self.post_attention_layernorm.add_and_norm(attn, residual, dtype))
+        return self.self_attn(positions, hidden, kv_cache, metadata, rotary, rows)
 
 
 class LlamaModel(nn.Module):
@@ -152,8 +174,11 @@ class LlamaModel(nn.Module):
         return self.rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
-        """-> [num_tokens, hidden_size] in the compute dtype (the LM head's)."""
+                kv_caches: list[KVCache], metadata: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [num_tokens, hidden_size] in the compute dtype (the LM head's); with `out_rows`
+        ([n] token row indices), only those rows, [n, hidden_size] (a pooling model reading
+        one row per prompt skips the rest of the last layer's work after attention)."""
         embeds = self.embed_tokens(input_ids)  # [num_tokens, hidden_size], compute dtype
         # The float32 stream, updated in place by the layers (a fresh tensor: the embedding
         # lookup's output, or its float32 copy).
@@ -162,14 +187,30 @@ class LlamaModel(nn.Module):
             self.native_loop = NativeLayerLoop.build(self) or False
         if self.native_loop and self.native_loop.takes(residual.shape[0], kv_caches):
             pending = self.native_loop(positions, residual, metadata)
+            if out_rows is not None and pending is not None:
+                pending, residual = pending[out_rows], residual[out_rows]
         else:
-            pending = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                pending = layer(positions, pending, residual, kv_cache, metadata,
-                                self.rotary_emb)
+            pending, residual = self._run_layers(positions, residual, kv_caches, metadata,
+                                                 out_rows)
         if pending is None:  # no layers
-            return self.norm(residual, embeds.dtype)
+            out = self.norm(residual, embeds.dtype)
+            return out if out_rows is None else out[out_rows]
         return self.norm.add_and_norm(pending, residual, embeds.dtype)
+
+    def _run_layers(self, positions: torch.Tensor, residual: torch.Tensor,
+                    kv_caches: list[KVCache], metadata: AttentionMetadata,
+                    out_rows: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the last layer's pending output, the residual stream): every token's, or with
+        `out_rows` those rows' only."""
+        pending = None
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i == last and out_rows is not None:
+                return layer.forward_rows(positions, pending, residual, kv_cache, metadata,
+                                          self.rotary_emb, out_rows)
+            pending = layer(positions, pending, residual, kv_cache, metadata, self.rotary_emb)
+        return pending, residual
 
 
 class LlamaForCausalLM(nn.Module):

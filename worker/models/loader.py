@@ -25,6 +25,7 @@ from worker.layers.quantization.gguf import (
     GGUFLMHeadMethod,
     kept_tensors,
 )
+from worker.layers.quantization.gguf_a8 import GGUFA8Config
 from worker.layers.quantization.int8 import (
     Int8Config,
     Int8FusedMoEMethod,
@@ -42,13 +43,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # index (all experts stacked), `.weight` optional (transformers 5's fused parameters).
 _EXPERT_TENSOR = re.compile(r"(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
                             r"(?:\.weight)?")
+GGUF_METHODS = ("gguf", "gguf_a8")  # the methods that keep a GGUF file's blocks
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend, max_positions: int,
                quantization: str = "none", convert: str = "none") -> nn.Module:
     """The architecture's class from the registry, built on `device` and loaded, its weights
-    as `quantization` (resolved: gguf, int8 or none) says.
+    as `quantization` (resolved: gguf, gguf_a8, int8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
@@ -58,7 +60,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     gguf_file = (GGUFCheckpoint(gguf_file_of(model_dir, config.hf["quantization_config"]))
                  if config.quantization == "gguf" else None)
     kept = (kept_tensors(gguf_file.types, gguf_file.shapes, cls.packed_modules)
-            if gguf_file is not None and quantization == "gguf" else {})
+            if gguf_file is not None and quantization in GGUF_METHODS else {})
     quant_config = _quant_config(quantization, kept, cls.packed_modules,
                                  config.tie_word_embeddings)
     with torch.device(device):
@@ -74,7 +76,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     if gguf_file is None:
         load_weights(model, iter_checkpoint(model_dir), model_dir)
     else:
-        if quantization == "gguf":
+        if quantization in GGUF_METHODS:
             gguf_file.log_dequantized(kept)
         load_weights(model, gguf_file.weights(kept), gguf_file.path)
     for module in model.modules():
@@ -91,10 +93,11 @@ def weights_summary(model: nn.Module, quantization: str) -> str:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, (GGUFLinearMethod, GGUFFusedMoEMethod)):
-            kept.update(t.name for t in method.types)
+            suffix = "/a8" if getattr(method, "a8", False) else ""
+            kept.update(t.name + suffix for t in method.types)
         elif isinstance(method, (GGUFEmbeddingMethod, GGUFLMHeadMethod)) and not (
                 module is model.lm_head and model.config.tie_word_embeddings):
-            kept[method.qtype.name] += 1
+            kept[method.qtype.name + ("/a8" if getattr(method, "a8", False) else "")] += 1
         elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod, Int8FusedMoEMethod)):
             kept["int8"] += 1
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -106,6 +109,8 @@ def _quant_config(quantization: str, kept: dict, packed: dict[str, tuple[str, ob
                   tied: bool) -> QuantizationConfig:
     if quantization == "gguf":
         return GGUFConfig(kept, packed, tied)
+    if quantization == "gguf_a8":
+        return GGUFA8Config(kept, packed, tied)
     return Int8Config() if quantization == "int8" else UnquantizedConfig()
 
 

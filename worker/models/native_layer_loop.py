@@ -52,7 +52,7 @@ def _linear(layer: LinearBase) -> Linear | None:
     out = Linear(k=weights.segments[0][0].k, num_segments=len(weights.segments),
                  scale=None if weights.scale is None else weights.scale.data_ptr())
     for i, (matrix, start, stop) in enumerate(weights.segments):
-        out.segments[i].qtype, out.segments[i].w = matrix.qtype.code, matrix.qweight.data_ptr()
+        out.segments[i].qtype, out.segments[i].w = matrix.code, matrix.qweight.data_ptr()
         out.segments[i].w_stride = matrix.qweight.stride(0)
         out.segments[i].start, out.segments[i].stop = start, stop
     return out

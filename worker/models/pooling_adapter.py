@@ -4,6 +4,7 @@ labels, float32, replicated on every rank) as `*ForSequenceClassification` check
 it. Checkpoints saved from the bare decoder (`Qwen3Model`: names without `model.`) load too."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,10 +39,16 @@ class PoolingModel(nn.Module):
             self.score = nn.Linear(lm.config.hidden_size, num_labels(lm.config.hf), bias=False,
                                    dtype=torch.float32)
             self.score.keep_float32 = True  # a head in float32, as vLLM's head_dtype
+        # The decoder can return only some token rows' final states (`out_rows`).
+        self.selects_rows = "out_rows" in inspect.signature(self.model.forward).parameters
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                metadata: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, metadata)
+                metadata: Any, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_tokens, hidden]; with `out_rows` (only if `selects_rows`), [n, hidden] for
+        those token rows."""
+        if out_rows is None:
+            return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, out_rows=out_rows)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self._kv_cache_spec(self)

@@ -10,12 +10,18 @@ from worker.native import gguf_ops
 
 class GgufMatrix:
     """W [N, K] as `qweight` uint8 [N, row_bytes] (rows contiguous, any row stride; the
-    tensor must outlive this object's use, as its address is kept)."""
+    tensor must outlive this object's use, as its address is kept). With `a8` the products
+    quantize x to 8 bits per block first (worker/native/gguf_a8.py: not exact); `code` is the
+    kernel's type code, A8_FLAG included."""
 
-    __slots__ = ("qweight", "qtype", "n", "k", "_call", "_w", "_w_stride")
+    __slots__ = ("qweight", "qtype", "n", "k", "a8", "code", "_call", "_w", "_w_stride")
 
-    def __init__(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
+                 a8: bool = False) -> None:
         self.qtype = gguf_ops.gguf_type(qtype)
+        if a8 and self.qtype.name not in gguf_ops.A8_TYPES:
+            raise ValueError(f"no 8-bit-activation kernel for {self.qtype.name}")
+        self.a8, self.code = a8, self.qtype.code | (gguf_ops.A8_FLAG if a8 else 0)
         self.qweight = gguf_ops.weight_rows(qweight, self.qtype, n, k)
         self.n, self.k = n, k
         ops = gguf_ops.native()
@@ -29,13 +35,13 @@ class GgufMatrix:
         n, k = self.n, self.k
         if (self._call is None or x.dim() != 2 or x.dtype != torch.float32
                 or x.stride(1) != 1 or x.shape[1] != k or not x.is_cpu):
-            return gguf_ops.matmul(x, self.qweight, self.qtype.code, n, k, out=out)
+            return gguf_ops.matmul(x, self.qweight, self.qtype.code, n, k, out=out, a8=self.a8)
         m = x.shape[0]
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
         elif out.shape != (m, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
             raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
-        status = self._call(self.qtype.code, self._w, self._w_stride, x.data_ptr(),
+        status = self._call(self.code, self._w, self._w_stride, x.data_ptr(),
                             x.stride(0), out.data_ptr(), out.stride(0), m, n, k, 0,
                             torch.get_num_threads())
         if status:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
+from worker.native.q8_activations import quantize_dequantize
 
 logger = logging.getLogger("deltaserve")
 
@@ -31,6 +32,13 @@ LIBRARY = NativeLibrary("gguf-matmul", "gguf_matmul.cpp")
 _MATMUL_ARGS = [I32, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I32, I32]
 # qtype, w, w_stride, out, out_stride, n, k
 _DEQUANTIZE_ARGS = [I32, PTR, I64, PTR, I64, I64, I64]
+# x, x_stride, m, k, q, d, s
+_QUANTIZE_ARGS = [PTR, I64, I64, I64, PTR, PTR, PTR]
+# The qtype bit selecting 8-bit activations (gguf_a8.h; worker/native/gguf_a8.py), the types
+# that have such a kernel, and its ISA variants by gguf_a8_isa's codes.
+A8_FLAG = 0x100
+A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+A8_ISAS = ("scalar", "avx2", "vnni")
 
 
 @dataclass(frozen=True)
@@ -97,10 +105,36 @@ class GgufOps:
         self._matmul = entry_point(library, "gguf_matmul", _MATMUL_ARGS)
         self._dequantize = entry_point(library, "gguf_dequantize", _DEQUANTIZE_ARGS)
         self.simd_width: int = entry_point(library, "gguf_simd_width", [])()
+        self._quantize_q8 = entry_point(library, "gguf_quantize_q8", _QUANTIZE_ARGS)
+        self._a8_isa = entry_point(library, "gguf_a8_isa", [I32])
+
+    @property
+    def a8_isa(self) -> str:
+        """The 8-bit-activation variant in use: vnni, avx2 or scalar (the CPU's best in this
+        build, lowered by DELTASERVE_GGUF_A8_ISA=avx2|scalar or set_a8_isa)."""
+        return A8_ISAS[self._a8_isa(-1)]
+
+    def set_a8_isa(self, name: str) -> None:
+        """Use the variant `name` from now on (ValueError where the build or CPU lacks it)."""
+        if self._a8_isa(A8_ISAS.index(name)) < 0:
+            raise ValueError(f"no {name} variant of the 8-bit-activation kernels here")
+
+    def quantize_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x float32 [M, K] quantized as the 8-bit-activation products do: q int8 [M, K],
+        d and s float32 [M, K / 32]."""
+        x2 = _activation_rows(x, x.shape[-1])
+        m, k = x2.shape
+        q = torch.empty((m, k), dtype=torch.int8)
+        d, s = (torch.empty((m, k // 32), dtype=torch.float32) for _ in range(2))
+        _check(self._quantize_q8(x2.data_ptr(), x2.stride(0), m, k, q.data_ptr(), d.data_ptr(),
+                                 s.data_ptr()), "gguf_quantize_q8")
+        return q, d, s
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
-               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-        """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N])."""
+               out: torch.Tensor | None = None, accumulate: bool = False,
+               a8: bool = False) -> torch.Tensor:
+        """x [..., K] · W[N, K]ᵀ -> [..., N] float32 (or into `out` [M, N]); a8: x quantized
+        to 8 bits per block of 32 first (not exact; worker/native/gguf_a8.py)."""
         t = GGUF_TYPES.get(qtype) or gguf_type(qtype)
         w = weight_rows(qweight, t, n, k)
         x2 = x if x.dim() == 2 and x.stride(1) == 1 else _activation_rows(x, k)
@@ -114,7 +148,7 @@ class GgufOps:
         elif (out.dtype != torch.float32 or out.shape != (m, n) or not out.is_cpu
               or (n > 1 and out.stride(1) != 1)):
             raise ValueError(f"out must be float32 [{m}, {n}] on the CPU with contiguous rows")
-        status = self._matmul(t.code, w.data_ptr(), w.stride(0), x2.data_ptr(), x2.stride(0),
+        status = self._matmul(t.code | (A8_FLAG if a8 else 0), w.data_ptr(), w.stride(0), x2.data_ptr(), x2.stride(0),
                               out.data_ptr(), out.stride(0), m, n, k, accumulate,
                               torch.get_num_threads())
         if status:
@@ -189,15 +223,20 @@ def dequantize_reference(qweight: torch.Tensor, qtype: str | int, n: int,
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int, *,
-           out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, accumulate: bool = False,
+           a8: bool = False) -> torch.Tensor:
     """x [..., K] float32 · W[N, K]ᵀ -> float32 [..., N], W as GGUF block bytes (see the module
-    docstring); the native kernel, or dequantize + torch where it cannot be built."""
+    docstring; a8 as GgufOps.matmul); the native kernel, or dequantize + torch where it cannot
+    be built."""
     ops = native()
     if ops is not None:
-        return ops.matmul(x, qweight, qtype, n, k, out=out, accumulate=accumulate)
+        return ops.matmul(x, qweight, qtype, n, k, out=out, accumulate=accumulate, a8=a8)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs `out`")
-    y = _activation_rows(x, k) @ dequantize_reference(qweight, qtype, n, k).T
+    x2 = _activation_rows(x, k)
+    if a8:
+        x2 = quantize_dequantize(x2)
+    y = x2 @ dequantize_reference(qweight, qtype, n, k).T
     if out is None:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     return out.add_(y) if accumulate else out.copy_(y)

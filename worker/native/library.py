@@ -108,14 +108,6 @@ def local_includes(source: str) -> list[Path]:
     return [seen[name] for name in sorted(seen)]
 
 
-def build_library(tag: str, sources: Sequence[str], extra_flags: Sequence[str] = (),
-                  march: str = "native") -> Path:
-    """The path of the library `tag` compiled from `sources[0]` in KERNEL_DIR (what it
-    includes is found by local_includes; the rest of `sources` is accepted for callers that
-    list headers); registers it like a NativeLibrary declaration."""
-    return NativeLibrary(tag, sources[0], tuple(extra_flags)).path(march)
-
-
 def entry_point(library: Path, name: str, argtypes: Sequence[type],
                 restype: type = ctypes.c_int) -> ctypes._CFuncPtr:
     """`name` in `library` (ctypes releases the GIL during calls)."""

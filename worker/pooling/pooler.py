@@ -40,16 +40,30 @@ class Pooler:
         for handle in handles:
             self.partial.pop(handle, None)
 
+    def rows_needed(self, counts: np.ndarray, done: np.ndarray,
+                    params: list[PoolingParams]) -> np.ndarray | None:
+        """The token rows whose final hidden states this step's pooling reads, when that is
+        one row per finishing request (LAST, no per-token task): each one's last row, in
+        request order. None: every row is read (or none is: nothing finishes)."""
+        if self.pooling_type != "LAST" or not done.any() or any(p.per_token for p in params):
+            return None
+        return (np.cumsum(counts) - 1)[done]
+
     def __call__(self, hidden: torch.Tensor, handles: list[int], counts: np.ndarray,
                  computed: np.ndarray, prompt_lens: np.ndarray, done: np.ndarray,
-                 params: list[PoolingParams]) -> list[bytes | None]:
+                 params: list[PoolingParams], selected: bool = False) -> list[bytes | None]:
         """Results in request order: float32 little-endian bytes for requests whose prompt
-        ends in this step (`done`), None for the others. `params[i]` is request i's."""
+        ends in this step (`done`), None for the others. `params[i]` is request i's.
+        `selected`: `hidden` holds only the `rows_needed` rows, not every token's."""
         ends = np.cumsum(counts)
         starts = ends - counts
         per_token = np.array([p.per_token for p in params], bool)
-        pooled = self._pool_sequences(hidden, handles, starts, ends, computed, prompt_lens,
-                                      ~per_token, done)
+        if selected:
+            rows = np.flatnonzero(done)
+            pooled = dict(zip(rows.tolist(), hidden.float()))
+        else:
+            pooled = self._pool_sequences(hidden, handles, starts, ends, computed,
+                                          prompt_lens, ~per_token, done)
         results: list[bytes | None] = [None] * len(handles)
         groups: dict[tuple, list[int]] = {}  # requests whose heads run as one batch
         for i in pooled:

@@ -83,11 +83,13 @@ class GGUFLinearMethod(LinearMethodBase):
     """`weight` uint8 [out_per_rank, row bytes]: this rank's rows of the checkpoint tensor(s)
     in their GGUF blocks, parts in `output_part_sizes` order. Parts of different types are
     separate segments; a row narrower than the widest type's is zero-padded at its end (the
-    padding is never read). `apply` takes float32 x and returns float32."""
+    padding is never read). `apply` takes float32 x and returns float32. `a8`: the products
+    quantize x to 8 bits per block (gguf_a8.py; every type must have such a kernel)."""
 
-    def __init__(self, prefix: str, types: list[GgufType]) -> None:
+    def __init__(self, prefix: str, types: list[GgufType], a8: bool = False) -> None:
         self.prefix = prefix
         self.types = types
+        self.a8 = a8
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         for qtype in self.types:
@@ -102,7 +104,8 @@ class GGUFLinearMethod(LinearMethodBase):
         k = layer.in_per_rank
         layer.gguf_matrices = [
             (GgufMatrix(layer.weight.data[s.start:s.stop, :s.qtype.row_bytes(k)], s.qtype.code,
-                        s.stop - s.start, k), s.start, s.stop) for s in layer.gguf_segments]
+                        s.stop - s.start, k, a8=self.a8), s.start, s.stop)
+            for s in layer.gguf_segments]
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
@@ -125,10 +128,12 @@ class GGUFLinearMethod(LinearMethodBase):
 
 class _GgufTable:
     """A vocabulary table kept in its GGUF blocks: `weight` uint8 [rows_per_rank, row bytes],
-    one row per token (the embedding's, or the LM head's, shared when tied)."""
+    one row per token (the embedding's, or the LM head's, shared when tied); `a8` as
+    GGUFLinearMethod's (the LM head's products)."""
 
-    def __init__(self, qtype: GgufType) -> None:
+    def __init__(self, qtype: GgufType, a8: bool = False) -> None:
         self.qtype = qtype
+        self.a8 = a8
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         _byte_rows(layer, out_per_rank, self.qtype.row_bytes(in_per_rank), self.qtype)
@@ -153,7 +158,8 @@ class GGUFLMHeadMethod(_GgufTable, LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The blocks bound for the kernels (a tied head's are the embedding's, tied by now)."""
         w = layer.weight.data
-        layer.gguf_matrix = GgufMatrix(w, self.qtype.code, w.shape[0], layer.hidden_size)
+        layer.gguf_matrix = GgufMatrix(w, self.qtype.code, w.shape[0], layer.hidden_size,
+                                       a8=self.a8)
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32

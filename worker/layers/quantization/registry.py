@@ -4,13 +4,15 @@ A checkpoint's own method is the `quant_method` of its `quantization_config` ("g
 GGUF file, "none" for dense checkpoints); `--quantization` picks what runs:
   auto  the checkpoint's (a GGUF file keeps its blocks; a dense checkpoint stays dense)
   gguf  a GGUF file's blocks kept and multiplied as they are (GGUF checkpoints only)
+  gguf_a8  the same blocks multiplied with activations quantized to 8 bits per block of 32
+        (llama.cpp's arithmetic; NOT exact, opt-in only: `auto` never picks it)
   int8  weight-only int8 quantized at load (dense checkpoints only)
   none  dense weights (a GGUF file's tensors dequantized to float32 at load)
 """
 from __future__ import annotations
 
 CHECKPOINT_METHODS = ("none", "gguf")  # what a checkpoint may declare
-QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "none")  # what --quantization may ask for
+QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "int8", "none")  # what --quantization may ask for
 
 
 def resolve_quantization(requested: str, checkpoint: str) -> str:
@@ -21,9 +23,10 @@ def resolve_quantization(requested: str, checkpoint: str) -> str:
                          f"{', '.join(QUANTIZATION_CHOICES)}")
     if requested == "auto":
         return checkpoint
-    if requested == "gguf" and checkpoint != "gguf":
-        raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or a model "
-                         "converted from one); this checkpoint is dense: use int8 or none")
+    if requested in ("gguf", "gguf_a8") and checkpoint != "gguf":
+        raise ValueError(f"--quantization {requested} needs a GGUF model (a .gguf file or a "
+                         "model converted from one); this checkpoint is dense: use int8 or "
+                         "none")
     if requested == "int8" and checkpoint != "none":
         raise ValueError(f"--quantization int8 quantizes a dense checkpoint at load; this "
                          f"model is already {checkpoint}: use {checkpoint} or none")

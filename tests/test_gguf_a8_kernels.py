@@ -1,0 +1,203 @@
+"""The 8-bit-activation GGUF kernels (worker/kernels/gguf_a8.h; `--quantization gguf_a8`)
+against worker/native/gguf_a8.py's torch reference of the same arithmetic, and against the
+exact float32 kernels within the error the activation rounding allows.
+
+- Activation quantization: bit for bit the reference's (int8 quants, float32 d and s).
+- Products: the kernels sum each block's integer products exactly, so y differs from the
+  float64 product of the quantized-dequantized x̂ and the exact weights only by float32
+  rounding: |y - ref| <= (K + 64) u Σ |x̂_k w_k| (u = 2^-24; Higham's γ_K for the sum, plus
+  the per-block scaling's roundings).
+- Against the exact path: |x_e - x̂_e| <= d_b / 2 per element of block b, so
+  |y_a8 - y_exact| <= Σ_b d_b / 2 Σ_{e in b} |w_e| (+ both paths' float32 rounding).
+Every ISA variant this build and CPU have (vnni, avx2, scalar), the true AVX2 build
+(x86-64-v3) and the baseline build (x86-64, scalar only).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from worker.native import build as native_build
+from worker.native import gguf_a8, gguf_ops
+from worker.native.gguf_matrix import GgufMatrix
+
+pytestmark = pytest.mark.timeout(120)
+
+U = 2.0 ** -24
+# (M, N, K blocks): one row (decode), a partial and a full tile, several tiles, a prefill-like
+# block; N not a multiple of the 4-row tile.
+SHAPES = [(1, 37, 3), (2, 5, 1), (4, 64, 2), (5, 33, 18), (9, 7, 4), (64, 19, 6), (300, 10, 2)]
+
+
+@pytest.fixture(scope="module")
+def ops() -> gguf_ops.GgufOps:
+    try:
+        ops = gguf_ops.load()
+    except native_build.CompilerUnavailable as e:
+        pytest.skip(f"no C++ compiler: {e}")
+    yield ops
+    _detected(ops)
+
+
+def _detected(ops: gguf_ops.GgufOps) -> str:
+    """The best variant this build and CPU have (set_a8_isa fails above it)."""
+    for name in reversed(gguf_ops.A8_ISAS):
+        try:
+            ops.set_a8_isa(name)
+            return name
+        except ValueError:
+            continue
+    raise AssertionError("no variant at all")
+
+
+def _isas(ops: gguf_ops.GgufOps) -> list[str]:
+    best = _detected(ops)
+    return list(gguf_ops.A8_ISAS[:gguf_ops.A8_ISAS.index(best) + 1])
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Heavy-tailed rows with an outlier channel, as activations have.
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, 7 % k] *= 20
+    return x
+
+
+def _weights(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    return gguf_ops.random_blocks(qtype, n, k, torch.Generator().manual_seed(seed))
+
+
+def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype: str,
+                           n: int, k: int) -> None:
+    ref = gguf_a8.matmul_reference(x, w, qtype, n, k)
+    xh = gguf_a8.quantize_dequantize(x).double()
+    wd = gguf_ops.dequantize_reference(w, qtype, n, k).double()
+    bound = (k + 64) * U * (xh.abs() @ wd.abs().T)
+    worst = ((y.double() - ref).abs() - bound).max().item()
+    assert worst <= 0.0, f"error exceeds the bound by {worst:g}"
+
+
+def test_activation_quantization_is_the_references_bit_for_bit(ops):
+    x = _x(6, 32 * 9, seed=1)
+    x[0, :32] = 0.0                                  # a zero block: d = 0, q = 0
+    x[1, :32] = torch.arange(32) - 15.5              # ties after scaling
+    x[2, 32:64] = torch.full((32,), -3.0)            # every element at -amax
+    x[3, 64:96] = torch.linspace(-1e-30, 1e-30, 32)  # tiny values
+    got, want = ops.quantize_q8(x), gguf_a8.quantize_reference(x)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    q, d, s = got
+    assert q.abs().max() <= 127 and (d[0, 0] == 0) and (q[0, :32] == 0).all()
+    assert (q[2, 32:64] == -127).all()
+
+
+@pytest.mark.parametrize("qtype", gguf_ops.A8_TYPES)
+def test_products_match_the_reference_on_every_variant(ops, qtype):
+    try:
+        for isa in _isas(ops):
+            ops.set_a8_isa(isa)
+            for i, (m, n, blocks) in enumerate(SHAPES):
+                k = 32 * blocks
+                x, w = _x(m, k, seed=i), _weights(qtype, n, k, seed=i)
+                y = ops.matmul(x, w, qtype, n, k, a8=True)
+                assert_within_rounding(y, x, w, qtype, n, k)
+    finally:
+        _detected(ops)
+
+
+@pytest.mark.parametrize("qtype", gguf_ops.A8_TYPES)
+def test_within_the_activation_rounding_of_the_exact_path(ops, qtype):
+    m, n, k = 12, 40, 32 * 8
+    x, w = _x(m, k, seed=3), _weights(qtype, n, k, seed=3)
+    exact = ops.matmul(x, w, qtype, n, k).double()
+    y = ops.matmul(x, w, qtype, n, k, a8=True).double()
+    _, d, _ = gguf_a8.quantize_reference(x)
+    wd = gguf_ops.dequantize_reference(w, qtype, n, k).double()
+    w_abs_blocks = wd.abs().reshape(n, k // 32, 32).sum(-1)          # [N, blocks]
+    rounding = (d.double() / 2) @ w_abs_blocks.T                      # [M, N]
+    float_slop = 2 * (k + 64) * U * (x.double().abs() @ wd.abs().T)
+    assert ((y - exact).abs() <= rounding + float_slop).all()
+    # And the rounding is real, not zero: the modes differ.
+    assert not torch.equal(y, exact)
+
+
+def test_team_steps_threads_and_accumulate(ops):
+    """num_threads = 0 (the native layer loop's calls) gives the bits of a call of its own;
+    2 threads give the bits of 1 (each output is one tile's); accumulate adds."""
+    n, k = 70, 576
+    w = _weights("Q4_1", n, k, seed=4)
+    code = gguf_ops.gguf_type("Q4_1").code | gguf_ops.A8_FLAG
+    before = torch.get_num_threads()
+    for m in (1, 7, 40):
+        x = _x(m, k, seed=m)
+        torch.set_num_threads(1)
+        one = ops.matmul(x, w, "Q4_1", n, k, a8=True)
+        torch.set_num_threads(2)
+        two = ops.matmul(x, w, "Q4_1", n, k, a8=True)
+        torch.set_num_threads(before)
+        team = torch.empty(m, n)
+        assert ops._matmul(code, w.data_ptr(), w.stride(0), x.data_ptr(), k, team.data_ptr(),
+                           n, m, n, k, 0, 0) == 0
+        assert torch.equal(one, two) and torch.equal(one, team), m
+        acc = torch.ones(m, n)
+        ops.matmul(x, w, "Q4_1", n, k, out=acc, accumulate=True, a8=True)
+        assert torch.equal(acc, one + 1)
+
+
+def test_matrix_binds_the_a8_code_and_refuses_types_without_a_kernel(ops):
+    w = _weights("Q8_0", 8, 64, seed=5)
+    x = _x(3, 64, seed=5)
+    matrix = GgufMatrix(w, "Q8_0", 8, 64, a8=True)
+    assert matrix.code == 8 | gguf_ops.A8_FLAG
+    assert torch.equal(matrix(x), ops.matmul(x, w, "Q8_0", 8, 64, a8=True))
+    with pytest.raises(ValueError, match="no 8-bit-activation kernel for Q4_K"):
+        GgufMatrix(_weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256, a8=True)
+    with pytest.raises(RuntimeError, match="status 2"):
+        ops.matmul(_x(1, 256, seed=5), _weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256,
+                   a8=True)
+    assert gguf_a8.supported("Q4_1") and not gguf_a8.supported("Q6_K")
+
+
+def test_fallback_without_the_library_is_the_reference(monkeypatch):
+    monkeypatch.setattr(gguf_ops, "native", lambda: None)
+    x, w = _x(3, 96, seed=6), _weights("Q4_0", 5, 96, seed=6)
+    y = gguf_ops.matmul(x, w, "Q4_0", 5, 96, a8=True)
+    ref = gguf_a8.matmul_reference(x, w, "Q4_0", 5, 96)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("march,isas", [("x86-64-v3", ["avx2", "scalar"]),
+                                        ("x86-64", ["scalar"])])
+def test_portable_builds(march, isas):
+    """The AVX2-only build (what an AVX2 host without VNNI compiles) and the baseline one."""
+    if march == "x86-64-v3" and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("this CPU has no AVX2")
+    try:
+        ops = gguf_ops.load(march)
+    except native_build.CompilerUnavailable as e:
+        pytest.skip(f"no C++ compiler: {e}")
+    assert ops.a8_isa == isas[0]
+    with pytest.raises(ValueError):
+        ops.set_a8_isa("vnni")
+    for isa in isas:
+        ops.set_a8_isa(isa)
+        for qtype in gguf_ops.A8_TYPES:
+            x, w = _x(5, 32 * 6, seed=7), _weights(qtype, 9, 32 * 6, seed=7)
+            assert_within_rounding(ops.matmul(x, w, qtype, 9, 192, a8=True), x, w, qtype, 9,
+                                   192)
+    ops.set_a8_isa(isas[0])
+
+
+def test_environment_lowers_the_variant():
+    """DELTASERVE_GGUF_A8_ISA=avx2 selects the AVX2 path on a VNNI host (how an AVX2-only
+    host's arithmetic is checked here); scalar the portable one."""
+    code = ("from worker.native import gguf_ops; print(gguf_ops.load().a8_isa)")
+    for wanted in ("avx2", "scalar"):
+        env = {**os.environ, "DELTASERVE_GGUF_A8_ISA": wanted}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True, timeout=100).stdout.split()[-1]
+        assert out == wanted or (wanted == "avx2" and out == "scalar")
