@@ -1,7 +1,7 @@
 """The Python layer loop's native LoRA delta (worker/lora/native_delta.py) against its torch
 ops: several adapters of different ranks, contiguous and interleaved rows, a layer one adapter
 leaves alone, output rows wider than one column block and strided, and the torch fallback for
-bfloat16."""
+bfloat16; merged layers (block-diagonal b) and steps big enough for a parallel region."""
 from __future__ import annotations
 
 import numpy as np
@@ -85,3 +85,43 @@ def test_other_dtypes_take_the_torch_ops(monkeypatch):
     native, _ = _mappings([1, 2, 3], [2, 1, 2], _models(), monkeypatch)
     assert native.kernel.step is not None
     assert not native.kernel.apply(torch.zeros(5, N).bfloat16(), x, 0)
+
+
+def _merged_models(k: int, n: int) -> dict[int, LoRAModel]:
+    """Adapters of one merged layer of three parts (q/k/v-like): b block-diagonal, each part's
+    rank rows nonzero only in its columns, one rank row all zero."""
+    g = torch.Generator().manual_seed(2)
+    models = {}
+    for i in (1, 2, 3):
+        b = torch.zeros(16, n)
+        for rows, columns in ((slice(0, 6), slice(0, n // 2)),
+                              (slice(6, 11), slice(n // 2, 3 * n // 4)),
+                              (slice(11, 15), slice(3 * n // 4, n))):
+            b[rows, columns] = torch.randn(b[rows, columns].shape, generator=g)
+        layers = [(torch.randn(k, 16, generator=g), b)]
+        models[i] = LoRAModel(LoRARequest(f"a{i}", i, "/x"), layers, 0, 0.0)
+    return models
+
+
+@pytest.mark.parametrize("rows_each", [1, 40])  # on the calling thread; a region of its own
+def test_merged_parts_and_big_steps(rows_each, monkeypatch):
+    """Block-diagonal b (the expand skips the zero blocks) and a step big enough for a
+    parallel region of its own (over 2**20 multiply-adds) on two threads."""
+    k, n = 512, 768
+    models = _merged_models(k, n)
+    spans = native_delta._spans(models[1].layers[0][1])
+    assert spans[0].tolist() == [0, n // 2] and spans[6].tolist() == [n // 2, 3 * n // 4]
+    assert spans[15].tolist() == [0, 0]
+    ids = [1, 2, 3] * rows_each
+    native, torch_ops = _mappings(ids, [1] * len(ids), models, monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(len(ids), k, generator=g), torch.randn(len(ids), n, generator=g)
+    expected = y.clone()
+    torch_ops.add_delta(expected, x, 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native.add_delta(y, x, 0)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)

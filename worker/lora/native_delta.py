@@ -2,12 +2,16 @@
 linear in one native call (`cpu_decoder_lora_delta`, the native layer loop's `lora_delta`).
 
 In the Python layer loop the torch path costs 2-10 small ops per wrapped linear (index_select,
-an mm pair per adapter, index_add_), ~120 linears a step: dispatch, not arithmetic. For float32
+an mm pair per adapter, index_add_), ~120 linears a step, and each op big enough to go parallel
+opens an OpenMP region, whose teammates sleep and are woken at its ends (measured: ~2 context
+switches per region and thread in a worker; ~20 ms of a SmolLM2 one-stream step). For float32
 rows-contiguous CPU tensors one ctypes call applies every adapter's delta of the linear:
-t = x_rows · aᵀ, then y_rows += t · b, rows by adapter, shared over torch's threads.
+t = x_rows · aᵀ, then y_rows += t · b, rows by adapter, on the calling thread alone when the
+linear's deltas are small (a decode stream's), in one region over torch's threads otherwise.
 
 Layouts: a table is one adapter's `LoRAFactors` by LoRATarget.index (a as [rank, in]
-float32, b [rank, out]; a null a where the adapter leaves the linear alone). A step's
+float32, b [rank, out], spans [rank, 2] each b row's nonzero columns, so the expand skips a
+merged layer's other parts; a null a where the adapter leaves the linear alone). A step's
 `LoRAStep` lists its adapters' tables, their step rows adapter by adapter (`rows`,
 `bounds`) and the scratch t [rows, max rank].
 """
@@ -37,11 +41,24 @@ def factor_table(model: LoRAModel) -> ctypes.Array | None:
             a, b = factors
             if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu":
                 return None
-            a_rows = a.t().contiguous()
-            kept += [a_rows, b]
-            table[index] = LoRAFactors(a.shape[1], a_rows.data_ptr(), b.data_ptr())
+            a_rows, spans = a.t().contiguous(), _spans(b)
+            kept += [a_rows, b, spans]
+            table[index] = LoRAFactors(a.shape[1], a_rows.data_ptr(), b.data_ptr(),
+                                       spans.data_ptr())
         model.native_table, model.native_kept = table, kept
     return model.native_table
+
+
+def _spans(b: torch.Tensor) -> torch.Tensor:
+    """[rank, 2] int64: for each row of b [rank, out], the columns [lo, hi) outside which it is
+    zero (a merged layer's part: its rank rows reach only that part's columns); (0, 0) for a
+    zero row."""
+    nonzero = b != 0
+    any_ = nonzero.any(dim=1)
+    columns = torch.arange(b.shape[1])
+    lo = torch.where(nonzero, columns, b.shape[1]).amin(dim=1)
+    hi = torch.where(nonzero, columns + 1, 0).amax(dim=1)
+    return torch.stack([torch.where(any_, lo, 0), torch.where(any_, hi, 0)], 1).contiguous()
 
 
 def build_step(segments: list[tuple[LoRAModel, int, int]], index: torch.Tensor | None,

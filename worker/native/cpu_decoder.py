@@ -64,7 +64,9 @@ class Group(ctypes.Structure):
 
 
 class LoRAFactors(ctypes.Structure):
-    _fields_ = [("rank", _I64), ("a", _P), ("b", _P)]
+    # spans: [rank, 2] int64, b's row j is zero outside columns [spans[j, 0], spans[j, 1]);
+    # null: none known
+    _fields_ = [("rank", _I64), ("a", _P), ("b", _P), ("spans", _P)]
 
 
 class LoRAStep(ctypes.Structure):
