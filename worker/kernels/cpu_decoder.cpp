@@ -31,8 +31,9 @@
 //   4 i + j: a [rank, K], b [rank, N] (float32, the scaling folded into b; a null a: that
 //   adapter leaves the layer alone; spans, if set, [rank, 2]: the columns where b's row j may
 //   be nonzero). rows[bounds[n]:bounds[n + 1]] are adapter n's step rows;
-//   t [rows, max rank] is scratch. cpu_decoder_lora_delta applies one linear's deltas alone
-//   (the Python layer loop's), its tables then indexed by that loop's target index.
+//   t [rows, max rank] is scratch (every adapter's rows at once). cpu_decoder_lora_delta
+//   applies one linear's deltas alone (the Python layer loop's), its tables then indexed by
+//   that loop's target index.
 #include <cstdint>
 
 namespace {
@@ -154,41 +155,54 @@ inline void lora_dots(const float* xr, const float* a, int64_t k, int64_t first,
     for (int64_t j = 0; j < count; ++j) t[j] = sums[j];
 }
 
-// y [., N] += each adapter's (x · aᵀ) · b on its rows (target: the linear's LoRA index). Two
-// worksharing loops per adapter: t = x · aᵀ over (row, LORA_DOTS rank rows) items, then
-// y += t · b over (row, column block) items, rank row j only over its columns
-// [spans[2j], spans[2j + 1]) (the rest of b's row is zero: a merged layer's other parts);
-// each loop ends in its barrier.
+// The adapter whose rows [bounds[a], bounds[a + 1]) hold row p of the step's adapter rows.
+inline int64_t lora_adapter_of(const LoRAStep* lora, int64_t p) {
+    int64_t ad = 0;
+    while (lora->bounds[ad + 1] <= p) ++ad;
+    return ad;
+}
+
+// y [., N] += each adapter's (x · aᵀ) · b on its rows (target: the linear's LoRA index), as
+// punica's one shrink and one expand over all adapters' rows: a worksharing loop
+// t = x · aᵀ over (row, LORA_DOTS rank rows) items, then y += t · b over (row, column block)
+// items, rank row j only over its columns [spans[2j], spans[2j + 1]) (the rest of b's row is
+// zero: a merged layer's other parts). Two barriers, however many adapters. t's row p (of
+// the adapter rows, in adapter order) is at t + p · (the largest rank of this target).
 void lora_delta(const LoRAStep* lora, int64_t target, const float* x, int64_t x_stride,
                 float* y, int64_t y_stride, int64_t k, int64_t n) {
-    if (!lora) return;
-    const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;
+    if (!lora || lora->num_adapters <= 0) return;
+    int64_t width = 0;  // t's row stride
     for (int64_t ad = 0; ad < lora->num_adapters; ++ad) {
         const LoRAFactors& f = lora->tables[ad][target];
-        const int64_t first = lora->bounds[ad], rows = lora->bounds[ad + 1] - first;
-        if (!f.a || rows <= 0) continue;
-        const int64_t rank = f.rank, groups = (rank + LORA_DOTS - 1) / LORA_DOTS;
+        if (f.a && f.rank > width) width = f.rank;
+    }
+    const int64_t total = lora->bounds[lora->num_adapters];
+    if (width == 0 || total <= 0) return;
+    const int64_t groups = (width + LORA_DOTS - 1) / LORA_DOTS;
+    const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < rows * groups; ++q) {
-            const int64_t p = q / groups, j0 = (q % groups) * LORA_DOTS;
-            const int64_t count = rank - j0 < LORA_DOTS ? rank - j0 : LORA_DOTS;
-            lora_dots(x + lora->rows[first + p] * x_stride, f.a, k, j0, count,
-                      lora->t + p * rank + j0);
-        }
+    for (int64_t q = 0; q < total * groups; ++q) {
+        const int64_t p = q / groups, j0 = (q % groups) * LORA_DOTS;
+        const LoRAFactors& f = lora->tables[lora_adapter_of(lora, p)][target];
+        if (!f.a || j0 >= f.rank) continue;
+        const int64_t count = f.rank - j0 < LORA_DOTS ? f.rank - j0 : LORA_DOTS;
+        lora_dots(x + lora->rows[p] * x_stride, f.a, k, j0, count, lora->t + p * width + j0);
+    }
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < rows * blocks; ++q) {
-            const int64_t p = q / blocks, b0 = (q % blocks) * LORA_COLUMNS;
-            const int64_t b1 = b0 + LORA_COLUMNS < n ? b0 + LORA_COLUMNS : n;
-            float* yr = y + lora->rows[first + p] * y_stride;
-            const float* tr = lora->t + p * rank;
-            for (int64_t j = 0; j < rank; ++j) {
-                const int64_t c0 = f.spans && f.spans[2 * j] > b0 ? f.spans[2 * j] : b0;
-                const int64_t c1 = f.spans && f.spans[2 * j + 1] < b1 ? f.spans[2 * j + 1] : b1;
-                const float tj = tr[j];
-                const float* br = f.b + j * n;
+    for (int64_t q = 0; q < total * blocks; ++q) {
+        const int64_t p = q / blocks, b0 = (q % blocks) * LORA_COLUMNS;
+        const int64_t b1 = b0 + LORA_COLUMNS < n ? b0 + LORA_COLUMNS : n;
+        const LoRAFactors& f = lora->tables[lora_adapter_of(lora, p)][target];
+        if (!f.a) continue;
+        float* yr = y + lora->rows[p] * y_stride;
+        const float* tr = lora->t + p * width;
+        for (int64_t j = 0; j < f.rank; ++j) {
+            const int64_t c0 = f.spans && f.spans[2 * j] > b0 ? f.spans[2 * j] : b0;
+            const int64_t c1 = f.spans && f.spans[2 * j + 1] < b1 ? f.spans[2 * j + 1] : b1;
+            const float tj = tr[j];
+            const float* br = f.b + j * n;
 #pragma omp simd
-                for (int64_t c = c0; c < c1; ++c) yr[c] += tj * br[c];
-            }
+            for (int64_t c = c0; c < c1; ++c) yr[c] += tj * br[c];
         }
     }
 }

@@ -65,7 +65,7 @@ def build_step(segments: list[tuple[LoRAModel, int, int]], index: torch.Tensor |
                tables: list, scratch_rows: int | None = None) -> tuple[LoRAStep, tuple]:
     """The LoRAStep of a mapping's `segments`/`index` (LoRAMapping's) over `tables` (one per
     segment), and what it points into (keep it alive with the step). scratch_rows: the most
-    rows of one adapter it will see (default: all the mapping's rows)."""
+    adapter rows (all adapters') it will see (default: all the mapping's rows)."""
     if index is None:  # the segments are step rows themselves
         rows = np.concatenate([np.arange(s, e, dtype=np.int64) for _, s, e in segments])
     else:
