@@ -3,8 +3,9 @@ linear in one native call (`cpu_decoder_lora_delta`, the native layer loop's `lo
 
 In the Python layer loop the torch path costs 2-10 small ops per wrapped linear (index_select,
 an mm pair per adapter, index_add_), ~120 linears a step, and each op big enough to go parallel
-opens an OpenMP region, whose teammates sleep and are woken at its ends (measured: ~2 context
-switches per region and thread in a worker; ~20 ms of a SmolLM2 one-stream step). For float32
+opens an OpenMP region of its own, whose teammates must be at its barriers (and are woken
+there when their waits are throttled, see lora/manager.py: ~2 context switches per region and
+thread, ~20 ms of a SmolLM2 one-stream step, measured). For float32
 rows-contiguous CPU tensors one ctypes call applies every adapter's delta of the linear:
 t = x_rows · aᵀ, then y_rows += t · b, rows by adapter, on the calling thread alone when the
 linear's deltas are small (a decode stream's), in one region over torch's threads otherwise.
