@@ -7,7 +7,8 @@ turns, round by round: the base engine on the base model, the LoRA engine on the
 sequences spread over the adapters (sequence j runs adapter j % N: every step mixes them,
 the adapters' rows interleaved). With quantized weights, a third engine runs the adapters
 with DELTASERVE_NATIVE_LORA=0: their steps in the Python layer loop instead of the native
-one. A decode step's time is (t(out tokens) - t(1 token)) /
+one; with -q none and --torch-ops, one with DELTASERVE_LORA_KERNEL=0: the Python loop's deltas
+as torch ops instead of one native call per layer. A decode step's time is (t(out tokens) - t(1 token)) /
 (out - 1), so prefill is not counted.
 
     python benchmarks/bench_lora.py --quantization none auto --rounds 3
@@ -78,21 +79,25 @@ def run(args: argparse.Namespace, quantization: str, adapters: list[LoRARequest]
                max_lora_rank=args.rank, **common)
     # Quantized weights run steps in the native layer loop; the same engine with
     # DELTASERVE_NATIVE_LORA=0 shows what adapter rows cost in the Python loop instead.
+    # Dense float32 weights run the Python loop, whose deltas take one native call per layer;
+    # the same engine with DELTASERVE_LORA_KERNEL=0 shows them as torch ops instead.
     python_loop = None
-    if quantization != "none":
-        os.environ["DELTASERVE_NATIVE_LORA"] = "0"
+    switch = "DELTASERVE_NATIVE_LORA" if quantization != "none" else "DELTASERVE_LORA_KERNEL"
+    if quantization != "none" or args.torch_ops:
+        os.environ[switch] = "0"
         try:
             python_loop = LLM(args.model, enable_lora=True, max_loras=len(adapters),
                               max_lora_rank=args.rank, **common)
         finally:
-            del os.environ["DELTASERVE_NATIVE_LORA"]
+            del os.environ[switch]
     batch = [[(7 * i + j) % 1000 + 10 for j in range(args.input)] for i in range(args.batch)]
     mixed = [adapters[i % len(adapters)] for i in range(args.batch)]
     shapes = {"batch": (batch, args.out), "stream": (batch[:1], args.stream_out)}
     cases = {"base engine": (base, None), "lora engine, base": (lora, None),
              "lora engine, adapters": (lora, "adapters")}
     if python_loop is not None:
-        cases["adapters, Python loop"] = (python_loop, "adapters")
+        name = "adapters, Python loop" if quantization != "none" else "adapters, torch ops"
+        cases[name] = (python_loop, "adapters")
     results: dict[tuple[str, str], list[float]] = {}
     try:
         for llm, which in cases.values():  # warm up: kernels, adapters loaded
@@ -113,14 +118,21 @@ def run(args: argparse.Namespace, quantization: str, adapters: list[LoRARequest]
           f"{args.rounds} rounds; {len(adapters)} adapters of rank {args.rank} on every "
           "projection")
     for shape, (prompts, out) in shapes.items():
-        base_ms = results[(shape, "base engine")]
         print(f"  {shape} ({len(prompts)} x ({args.input} in, {out} out)):")
         for name in cases:
             ms = results[(shape, name)]
-            ratios = [m / b for m, b in zip(ms, base_ms)]
-            print(f"    {name:24s} {spread(ms)} ms  x{statistics.median(ms) / statistics.median(base_ms):.2f} "
-                  f"of the base (pairs {min(ratios):.2f}..{max(ratios):.2f}); "
+            against = [_against(ms, results[(shape, b)]) for b in ("base engine",
+                                                                  "lora engine, base")]
+            print(f"    {name:24s} {spread(ms)} ms  x{against[0]} of the base engine, "
+                  f"x{against[1]} of the LoRA engine's base requests; "
                   f"{1e3 * len(prompts) / statistics.median(ms):.1f} tok/s")
+
+
+def _against(ms: list[float], base_ms: list[float]) -> str:
+    """Ratio of medians, and the range of the rounds' pairs."""
+    ratios = [m / b for m, b in zip(ms, base_ms)]
+    return (f"{statistics.median(ms) / statistics.median(base_ms):.2f} "
+            f"(pairs {min(ratios):.2f}..{max(ratios):.2f})")
 
 
 def main() -> int:
@@ -134,6 +146,9 @@ def main() -> int:
     parser.add_argument("--out", type=int, default=64)
     parser.add_argument("--stream-out", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="with -q none, also an engine adding deltas with torch ops "
+                             "(DELTASERVE_LORA_KERNEL=0)")
     args = parser.parse_args()
     model = resolve_model(args.model)
     with open(os.path.join(model, "config.json")) as f:

@@ -235,3 +235,29 @@ def test_malformed_gguf_adapters_are_refused(base, adapter, tmp_path):
     qwen = load_model_config(make_tiny_model(str(tmp_path / "qwen"), "qwen2"))
     with pytest.raises(LoRAAdapterError, match="another base model: a llama GGUF adapter"):
         inspect_adapter("x", str(tmp_path / "a.gguf"), qwen, 16)
+
+
+def test_background_reads_leave_no_thread_behind():
+    """A read runs on a thread of its own that ends with it (a kept thread that ran torch ops
+    keeps an OpenMP team, which throttles every team's waits); its result or error reaches
+    the future."""
+    import threading
+    from types import SimpleNamespace
+
+    from worker.lora.manager import LoRAManager
+
+    def load(lora_request):
+        if lora_request == "bad":
+            raise RuntimeError("unreadable")
+        return torch.ones(1 << 20).mul(2).sum().item()  # a parallel torch op on the reader
+
+    manager = SimpleNamespace(reading=threading.Lock(), _load=load)
+    good = LoRAManager._read_in_background(manager, "good")
+    bad = LoRAManager._read_in_background(manager, "bad")
+    assert good.result(timeout=30) == 2 * (1 << 20)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        bad.result(timeout=30)
+    for thread in threading.enumerate():
+        if thread.name == "deltaserve-lora":
+            thread.join(timeout=30)
+    assert not any(t.name == "deltaserve-lora" for t in threading.enumerate())

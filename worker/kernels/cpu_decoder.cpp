@@ -29,8 +29,11 @@
 //   LoRA (Step.lora, null without adapter rows): after linear j (qkv, o, gate_up, down) of
 //   layer i, each adapter's rows get y[r] += (x[r] · aᵀ) · b with its factors of target
 //   4 i + j: a [rank, K], b [rank, N] (float32, the scaling folded into b; a null a: that
-//   adapter leaves the layer alone). rows[bounds[n]:bounds[n + 1]] are adapter n's step rows;
-//   t [rows, max rank] is scratch.
+//   adapter leaves the layer alone; spans, if set, [rank, 2]: the columns where b's row j may
+//   be nonzero). rows[bounds[n]:bounds[n + 1]] are adapter n's step rows;
+//   t [rows, max rank] is scratch (every adapter's rows at once). cpu_decoder_lora_delta
+//   applies one linear's deltas alone (the Python layer loop's), its tables then indexed by
+//   that loop's target index.
 #include <cstdint>
 
 namespace {
@@ -89,6 +92,7 @@ struct Group {
 };
 struct LoRAFactors {
     int64_t rank; const float* a; const float* b;
+    const int64_t* spans;  // [rank, 2]: b's row j is zero outside [spans[2j], spans[2j + 1])
 };
 struct LoRAStep {
     int64_t num_adapters; const LoRAFactors* const* tables; const int64_t* bounds;
@@ -127,42 +131,90 @@ int linear(const Kernels& f, const Linear& w, const float* x, int64_t x_stride, 
 }
 
 constexpr int64_t LORA_COLUMNS = 256;  // output columns one expand work item adds to
+constexpr int64_t LORA_DOTS = 4;  // rank rows one shrink work item reads a row of x against
+// Below this many multiply-adds a linear's deltas run on the calling thread alone: a parallel
+// region of their own costs its threads' wake-ups (futex round trips of tens of µs each on a
+// VM), more than one thread takes for them at this size.
+constexpr int64_t LORA_SERIAL_MACS = int64_t{1} << 20;
 
-// y [., N] += each adapter's (x · aᵀ) · b on its rows (target: the linear's LoRA index). Two
-// worksharing loops per adapter: t = x · aᵀ over (row, rank) pairs, then y += t · b over
-// (row, column block) pairs; each ends in its barrier.
+// t[0..count) = x_row · a_j for rank rows j = first .. first + count (count <= LORA_DOTS): x
+// is read once for all of them, each sum in its own accumulator.
+inline void lora_dots(const float* xr, const float* a, int64_t k, int64_t first, int64_t count,
+                      float* t) {
+    const float* a0 = a + first * k;
+    const float* a1 = a0 + (count > 1 ? k : 0);
+    const float* a2 = a0 + (count > 2 ? 2 * k : 0);
+    const float* a3 = a0 + (count > 3 ? 3 * k : 0);
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < k; ++c) {
+        const float v = xr[c];
+        s0 += v * a0[c]; s1 += v * a1[c]; s2 += v * a2[c]; s3 += v * a3[c];
+    }
+    const float sums[LORA_DOTS] = {s0, s1, s2, s3};
+    for (int64_t j = 0; j < count; ++j) t[j] = sums[j];
+}
+
+// The adapter whose rows [bounds[a], bounds[a + 1]) hold row p of the step's adapter rows.
+inline int64_t lora_adapter_of(const LoRAStep* lora, int64_t p) {
+    int64_t ad = 0;
+    while (lora->bounds[ad + 1] <= p) ++ad;
+    return ad;
+}
+
+// y [., N] += each adapter's (x · aᵀ) · b on its rows (target: the linear's LoRA index), as
+// punica's one shrink and one expand over all adapters' rows: a worksharing loop
+// t = x · aᵀ over (row, LORA_DOTS rank rows) items, then y += t · b over (row, column block)
+// items, rank row j only over its columns [spans[2j], spans[2j + 1]) (the rest of b's row is
+// zero: a merged layer's other parts). Two barriers, however many adapters. t's row p (of
+// the adapter rows, in adapter order) is at t + p · (the largest rank of this target).
 void lora_delta(const LoRAStep* lora, int64_t target, const float* x, int64_t x_stride,
                 float* y, int64_t y_stride, int64_t k, int64_t n) {
-    if (!lora) return;
-    const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;
+    if (!lora || lora->num_adapters <= 0) return;
+    int64_t width = 0;  // t's row stride
     for (int64_t ad = 0; ad < lora->num_adapters; ++ad) {
         const LoRAFactors& f = lora->tables[ad][target];
-        const int64_t first = lora->bounds[ad], rows = lora->bounds[ad + 1] - first;
-        if (!f.a || rows <= 0) continue;
-        const int64_t rank = f.rank;
+        if (f.a && f.rank > width) width = f.rank;
+    }
+    const int64_t total = lora->bounds[lora->num_adapters];
+    if (width == 0 || total <= 0) return;
+    const int64_t groups = (width + LORA_DOTS - 1) / LORA_DOTS;
+    const int64_t blocks = (n + LORA_COLUMNS - 1) / LORA_COLUMNS;
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < rows * rank; ++q) {
-            const float* xr = x + lora->rows[first + q / rank] * x_stride;
-            const float* ar = f.a + (q % rank) * k;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < k; ++c) acc += xr[c] * ar[c];
-            lora->t[q] = acc;
-        }
+    for (int64_t q = 0; q < total * groups; ++q) {
+        const int64_t p = q / groups, j0 = (q % groups) * LORA_DOTS;
+        const LoRAFactors& f = lora->tables[lora_adapter_of(lora, p)][target];
+        if (!f.a || j0 >= f.rank) continue;
+        const int64_t count = f.rank - j0 < LORA_DOTS ? f.rank - j0 : LORA_DOTS;
+        lora_dots(x + lora->rows[p] * x_stride, f.a, k, j0, count, lora->t + p * width + j0);
+    }
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < rows * blocks; ++q) {
-            const int64_t p = q / blocks, c0 = (q % blocks) * LORA_COLUMNS;
-            const int64_t c1 = c0 + LORA_COLUMNS < n ? c0 + LORA_COLUMNS : n;
-            float* yr = y + lora->rows[first + p] * y_stride;
-            const float* tr = lora->t + p * rank;
-            for (int64_t j = 0; j < rank; ++j) {
-                const float tj = tr[j];
-                const float* br = f.b + j * n;
+    for (int64_t q = 0; q < total * blocks; ++q) {
+        const int64_t p = q / blocks, b0 = (q % blocks) * LORA_COLUMNS;
+        const int64_t b1 = b0 + LORA_COLUMNS < n ? b0 + LORA_COLUMNS : n;
+        const LoRAFactors& f = lora->tables[lora_adapter_of(lora, p)][target];
+        if (!f.a) continue;
+        float* yr = y + lora->rows[p] * y_stride;
+        const float* tr = lora->t + p * width;
+        for (int64_t j = 0; j < f.rank; ++j) {
+            const int64_t c0 = f.spans && f.spans[2 * j] > b0 ? f.spans[2 * j] : b0;
+            const int64_t c1 = f.spans && f.spans[2 * j + 1] < b1 ? f.spans[2 * j + 1] : b1;
+            const float tj = tr[j];
+            const float* br = f.b + j * n;
 #pragma omp simd
-                for (int64_t c = c0; c < c1; ++c) yr[c] += tj * br[c];
-            }
+            for (int64_t c = c0; c < c1; ++c) yr[c] += tj * br[c];
         }
     }
+}
+
+// The multiply-adds of one linear's deltas (what decides whether they get a parallel region).
+int64_t lora_macs(const LoRAStep* lora, int64_t target, int64_t k, int64_t n) {
+    int64_t macs = 0;
+    for (int64_t ad = 0; ad < lora->num_adapters; ++ad) {
+        const LoRAFactors& f = lora->tables[ad][target];
+        if (f.a) macs += (lora->bounds[ad + 1] - lora->bounds[ad]) * f.rank * (k + n);
+    }
+    return macs;
 }
 
 // residual += x (unless x is null), then h = RMSNorm(residual) · weight.
@@ -255,6 +307,23 @@ int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, i
         }
     }
     return status;
+}
+
+// The LoRA deltas of one linear outside the loop (the Python layer loop's, float32): the
+// same lora_delta, in a parallel region of its own when they are big enough to share
+// (LORA_SERIAL_MACS), else on the calling thread. Status: 0, or 1 for bad arguments.
+__attribute__((visibility("default")))
+int cpu_decoder_lora_delta(const LoRAStep* lora, int64_t target, const float* x,
+                           int64_t x_stride, float* y, int64_t y_stride, int64_t k, int64_t n,
+                           int num_threads) {
+    if (num_threads <= 0 || !lora || target < 0 || k < 0 || n < 0) return 1;
+    if (num_threads == 1 || lora_macs(lora, target, k, n) < LORA_SERIAL_MACS) {
+        lora_delta(lora, target, x, x_stride, y, y_stride, k, n);  // its loops: this thread's
+        return 0;
+    }
+#pragma omp parallel num_threads(num_threads)
+    lora_delta(lora, target, x, x_stride, y, y_stride, k, n);
+    return 0;
 }
 
 }  // extern "C"

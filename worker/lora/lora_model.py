@@ -36,8 +36,9 @@ class LoRAModel:
     layers: list[Factors | None]  # by LoRATarget.index; None where it adapts nothing
     nbytes: int
     load_s: float
-    native_table: Any = None  # its factors as the native layer loop reads them (worker/lora/native.py)
+    native_table: Any = None  # its factors as the native kernel reads them (lora/native_delta.py)
     native_kept: Any = None  # the tensors that table points into
+    loop_table: Any = None  # native_table by the native layer loop's slots (lora/native.py)
 
     @property
     def id(self) -> int:

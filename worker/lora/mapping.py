@@ -4,7 +4,8 @@ Token rows are grouped by adapter and each adapter present costs one product pai
 layer, `(x_rows @ a) @ b`, over all its rows at once, whatever their requests; base-model rows
 cost nothing. Weights are never merged into the base.
 
-Two layouts:
+Float32 CPU rows take one native call per layer for all adapters (lora/native_delta.py);
+other dtypes, or where the library cannot be built, the torch ops below, in two layouts:
 - every adapter's rows are one contiguous run of the step (a lone adapter, or requests of each
   adapter next to each other): the products read and add to slices of x and y in place;
 - otherwise the adapter rows are gathered once per layer in adapter order
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from worker.lora.lora_model import LoRAModel
+from worker.lora.native_delta import NativeDelta
 
 
 @dataclass(slots=True)
@@ -28,6 +30,7 @@ class LoRAMapping:
     segments: list[tuple[LoRAModel, int, int]]
     index: torch.Tensor | None  # [num_adapter_rows] int64 step rows, adapter by adapter
     native: Any = None  # the native layer loop's form of it, made on first use (lora/native.py)
+    kernel: NativeDelta | None = None  # the Python loop's native delta, made on first use
 
     @staticmethod
     def build(request_ids: np.ndarray, counts: np.ndarray, models: dict[int, LoRAModel],
@@ -51,6 +54,10 @@ class LoRAMapping:
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, target: int) -> None:
         """y [num_tokens, out] += each adapter's delta of wrapped layer `target` on its rows
         of x [num_tokens, in]."""
+        if self.kernel is None:
+            self.kernel = NativeDelta(self.segments, self.index)
+        if self.kernel.apply(y, x, target):
+            return
         if self.index is None:
             for model, start, end in self.segments:
                 factors = model.layers[target]

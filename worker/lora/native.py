@@ -10,13 +10,11 @@ from __future__ import annotations
 import ctypes
 import os
 
-import numpy as np
-import torch
-
 from worker.lora.lora_model import LoRAModel
 from worker.lora.mapping import LoRAMapping
+from worker.lora.native_delta import build_step, factor_table
 from worker.lora.targets import LoRATarget
-from worker.native.cpu_decoder import MAX_ROWS, LoRAFactors, LoRAStep
+from worker.native.cpu_decoder import MAX_ROWS, LoRAFactors
 
 _KINDS = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
 # DELTASERVE_NATIVE_LORA=0: steps with adapter rows take the Python layer loop (to compare).
@@ -41,39 +39,18 @@ class NativeLoRA:
             tables = [self._table(model) for model, _, _ in mapping.segments]
             if any(t is None for t in tables):
                 return None
-            mapping.native = self._build(mapping, tables)  # (step, what it points into)
+            # (step, what it points into)
+            mapping.native = build_step(mapping.segments, mapping.index, tables, MAX_ROWS)
         return ctypes.addressof(mapping.native[0])
 
-    def _build(self, mapping: LoRAMapping, tables: list) -> tuple[LoRAStep, tuple]:
-        if mapping.index is None:  # the segments are step rows themselves
-            rows = np.concatenate([np.arange(s, e, dtype=np.int64)
-                                   for _, s, e in mapping.segments])
-        else:
-            rows = mapping.index.cpu().numpy().astype(np.int64)
-        bounds = np.zeros(len(tables) + 1, np.int64)
-        bounds[1:] = np.cumsum([e - s for _, s, e in mapping.segments])
-        ranks = max(f.rank for table in tables for f in table)
-        scratch = torch.empty(MAX_ROWS * max(ranks, 1))  # t [rows <= MAX_ROWS, rank]
-        pointers = (ctypes.POINTER(LoRAFactors) * len(tables))(
-            *[ctypes.cast(t, ctypes.POINTER(LoRAFactors)) for t in tables])
-        step = LoRAStep(len(tables), ctypes.addressof(pointers), bounds.ctypes.data,
-                        rows.ctypes.data, scratch.data_ptr())
-        return step, (rows, bounds, scratch, pointers, tables)
-
     def _table(self, model: LoRAModel) -> ctypes.Array | None:
-        """The adapter's factors by slot (float32, a as [rank, in]), made once per adapter."""
-        table = model.native_table
-        if table is None:
-            kept, table = [], (LoRAFactors * self.size)()
-            for index, factors in enumerate(model.layers):
-                if factors is None:
-                    continue
-                a, b = factors
-                if a.dtype != torch.float32 or b.dtype != torch.float32:
-                    return None
-                a_rows = a.t().contiguous()
-                kept += [a_rows, b]
-                table[self.slots[index]] = LoRAFactors(a.shape[1], a_rows.data_ptr(),
-                                                       b.data_ptr())
-            model.native_table, model.native_kept = table, kept
-        return table
+        """The adapter's factors by slot (factor_table's, reordered), made once per adapter."""
+        if model.loop_table is None:
+            table = factor_table(model)
+            if table is None:
+                return None
+            loop = (LoRAFactors * self.size)()
+            for index, slot in enumerate(self.slots):
+                loop[slot] = table[index]
+            model.loop_table = loop
+        return model.loop_table

@@ -4,7 +4,8 @@ libraries inside one parallel region. The ctypes Structures here mirror the C++ 
 by field.
 
 `load()` is the bound library, or None where one of the four libraries cannot be built here
-(callers keep the Python layer loop).
+(callers keep the Python layer loop). `lora_delta()` is its entry point applying one linear's
+LoRA deltas (worker/lora/native_delta.py), or None where this library cannot be built.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from worker.native import cpu_attention, gguf_ops
 from worker.native.cpu_ops import native_ops
-from worker.native.library import I32, PTR, UNAVAILABLE, NativeLibrary, entry_point
+from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
 
 logger = logging.getLogger("deltaserve")
 
@@ -63,7 +64,9 @@ class Group(ctypes.Structure):
 
 
 class LoRAFactors(ctypes.Structure):
-    _fields_ = [("rank", _I64), ("a", _P), ("b", _P)]
+    # spans: [rank, 2] int64, b's row j is zero outside columns [spans[j, 0], spans[j, 1]);
+    # null: none known
+    _fields_ = [("rank", _I64), ("a", _P), ("b", _P), ("spans", _P)]
 
 
 class LoRAStep(ctypes.Structure):
@@ -107,3 +110,17 @@ def load() -> NativeDecoder | None:
                       _address(ops._rope), _address(attention), _address(ops._gelu),
                       _address(ops._head_norm))
     return NativeDecoder(forward, kernels)
+
+
+# lora, target, x, x_stride, y, y_stride, k, n, num_threads
+_LORA_DELTA_ARGS = [PTR, I64, PTR, I64, PTR, I64, I64, I64, I32]
+
+
+@functools.cache
+def lora_delta() -> ctypes._CFuncPtr | None:
+    try:
+        library = LIBRARY.path()
+    except UNAVAILABLE as e:
+        logger.warning("native LoRA delta unavailable, using torch: %s", e)
+        return None
+    return entry_point(library, "cpu_decoder_lora_delta", _LORA_DELTA_ARGS)
