@@ -51,7 +51,11 @@ def _check(experts: fused_moe.FusedExperts, tokens: int, top_k: int = 3) -> None
     weights, ids = _routing(tokens, top_k, seed=tokens)
     ours = experts(x, weights, ids)
     ref = fused_moe.experts_reference(x, weights, ids, experts)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # bf16 experts round the SiLU product to bf16: the kernel's SiLU and torch's differ in
+    # the last float32 bits, so an element near a rounding boundary may round the other
+    # way, one bf16 step (2^-8 relative) of one term of a down product
+    atol = (2.0 ** -8 if experts.down.code == fused_moe.BF16_CODE else 1e-5) * ref.abs().max().item()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 17, 130])

@@ -115,6 +115,37 @@ def test_views_strides_and_accumulate(ops, qtype, m):
     assert wide[:, :2].isnan().all() and wide[:, 2 + n:].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,blocks", SHAPES, ids=lambda s: str(s))
+def test_dense_weights_match_their_float_values(ops, dtype, m, n, blocks):
+    """Dense rows (an LM head's bf16 table) through the same drivers: x · w.float()ᵀ up to
+    float32 summation, the weight read in its own dtype."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    k = 32 * blocks
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g)
+    y = ops.dense_matmul(x, w)
+    prod = x.double() @ w.double().T
+    bound = k * U * (x.double().abs() @ w.double().abs().T)
+    assert ((y.double() - prod).abs() <= bound + 1e-30).all()
+    with pytest.raises(ValueError):
+        ops.dense_matmul(torch.randn(m, 40), torch.randn(n, 40).to(dtype))
+
+
+def test_bf16_lm_head_reads_its_table(ops):
+    """A bf16 LM head multiplies its own table (no float32 copy): the copy's logits."""
+    from worker.distributed.tensor_parallel import TensorParallel
+    from worker.layers.vocab_embedding import ParallelLMHead
+    head = ParallelLMHead(300, 64, TensorParallel())
+    head.weight.data = torch.randn(head.weight.shape).bfloat16()
+    head.quant_method.process_weights_after_loading(head)
+    assert head.dense_ops is not None and not hasattr(head, "weight_float32")
+    x = torch.randn(3, 64).bfloat16()
+    got = head.compute_logits(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 300)
+    assert_within_summation_error(got, x.float(), head.weight.float())
+
+
 def test_leading_dims_and_one_dimensional_weights(ops):
     k, n = 64, 9
     w = _weights("Q4_0", n, k, seed=3)

@@ -13,7 +13,12 @@
 //    token's result does not depend on the rest of the batch), into out or added to it.
 // A decode step passes three barriers. Weights: GGUF blocks, int8 (I8 with row scales) or
 // dense float32 / bfloat16 / float16 rows (dense_blocks.h), each decoded to float32 in
-// registers; float32 activations and accumulation throughout.
+// registers; float32 activations and accumulation throughout, except that bfloat16 experts
+// take bfloat16 inputs, as Hugging Face's and vLLM's bf16 experts do: x (for bf16 gate/up)
+// and the SiLU product (for a bf16 down) are rounded to bf16 (nearest even) before their
+// products, which are then exact in float32, so only the summation order is the kernel's.
+// With AVX512-BF16 the decode units multiply those pairs with vdpbf16ps (no widening, half
+// the instructions); elsewhere the same values go through the widening tiles.
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
@@ -128,7 +133,18 @@ struct Scratch {
     float* gu;   // [P, 2 * inter]: gate | up (likewise)
     float* act;  // [P, inter]
     float* ys;   // [P, hidden]: down's output
+    bf16* xb;    // [tokens, hidden]: x in bf16 for vdpbf16ps (bf16 gate/up), else null
+    bf16* actb;  // [P, inter]: act in bf16 for vdpbf16ps (bf16 down), else null
 };
+
+constexpr int64_t BF16_CODE = 30;  // GGML's code of bfloat16 (dense_blocks.h)
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOT = true;
+#else
+constexpr bool BF16_DOT = false;
+#endif
+
+inline float round_bf16(float v) { return to_float(from_float<bf16>(v)); }
 
 // The large experts' grouped products over the scratch rows (gate and up one product when
 // they are one matrix, else two sharing the packed x), their packed x in `xt`.
@@ -173,7 +189,7 @@ void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<flo
 }
 
 struct Call {
-    const MoeLayer& l; const Plan& plan; const Scratch& s;
+    const MoeLayer& l; const Plan& plan; const Scratch& s;  // x: rounded to bf16 for bf16 gate/up
     const float* x; int64_t x_stride, tokens; const float* weights; int64_t topk;
     float* out; int64_t out_stride; bool accumulate;
 };
@@ -209,13 +225,71 @@ void dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
     });
 }
 
-// act[p] = silu(g * gate scale) * (u * up scale) for one row's columns [n0, n0 + n).
+#if defined(__AVX512BF16__)
+// out[m * DOT_GROUP + (r - n0)] = x[m] · row r of bf16 matrix e, for m < R, r in [n0, n1):
+// vdpbf16ps on bf16 pairs (each 64-byte step of a row is one cache line), float32 sums.
+template <int R>
+void bf16_group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+                     const bf16* const* x, float* out) {
+    constexpr int NR = dot_tile_rows(R);
+    const auto* base = static_cast<const uint8_t*>(w.w) + e * w.expert_stride;
+    const int64_t ahead = PREFETCH_ROWS * w.row_stride;
+    for (int64_t r0 = n0; r0 < n1; r0 += NR) {
+        const int valid = static_cast<int>(std::min<int64_t>(NR, n1 - r0));
+        const uint8_t* rows[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) rows[r] = base + (r0 + std::min(r, valid - 1)) * w.row_stride;
+        __m512 acc[R * NR];
+#pragma GCC unroll 16
+        for (int i = 0; i < R * NR; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+            __m512bh wv[NR];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; ++r) {
+                __builtin_prefetch(rows[r] + 2 * i + ahead);
+                wv[r] = (__m512bh)_mm512_loadu_si512(rows[r] + 2 * i);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < R; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[m] + i);
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; ++r)
+                    acc[m * NR + r] = _mm512_dpbf16_ps(acc[m * NR + r], xv, wv[r]);
+            }
+        }
+        Vec v[R * NR];
+        float tile[R * NR];
+#pragma GCC unroll 16
+        for (int i = 0; i < R * NR; ++i) v[i] = (Vec)acc[i];
+        reduce_lanes(v, tile);
+        for (int m = 0; m < R; ++m)
+            for (int r = 0; r < valid; ++r) out[m * DOT_GROUP + r0 + r - n0] = tile[m * NR + r];
+    }
+}
+#endif
+
+// dots() for bf16 weights and bf16 x rows (only called where BF16_DOT).
+void bf16_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
+               const bf16* const* x, int rows, float* out) {
+#if defined(__AVX512BF16__)
+    with_rows<DOT_ROWS>(rows, [&]<int R>() { bf16_group_dots<R>(w, e, n0, n1, k, x, out); });
+#else
+    (void)w, (void)e, (void)n0, (void)n1, (void)k, (void)x, (void)rows, (void)out;
+#endif
+}
+
+// act[p] = silu(g * gate scale) * (u * up scale) for one row's columns [n0, n0 + n),
+// rounded to bf16 for a bf16 down (and then also written to actb, if not null).
 void activate(const MoeLayer& l, int64_t e, int64_t n0, int64_t n, const float* g,
-              const float* u, float* act) {
+              const float* u, float* act, bf16* actb) {
     const float* gs = l.gate.scale ? l.gate.scale + e * l.gate.scale_stride + n0 : nullptr;
     const float* us = l.up.scale ? l.up.scale + e * l.up.scale_stride + n0 : nullptr;
-    for (int64_t i = 0; i < n; ++i)
-        act[n0 + i] = gs ? silu(g[i] * gs[i]) * (u[i] * us[i]) : silu(g[i]) * u[i];
+    const bool round = l.down.qtype == BF16_CODE;
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = gs ? silu(g[i] * gs[i]) * (u[i] * us[i]) : silu(g[i]) * u[i];
+        act[n0 + i] = round ? round_bf16(v) : v;
+        if (actb) actb[n0 + i] = from_float<bf16>(v);
+    }
 }
 
 // The experts of at most DOT_ROWS rows ("small", decode), all in one worksharing loop over
@@ -235,11 +309,19 @@ void small_gate_up(const Call& c) {
         const float* x[DOT_ROWS];
         for (int m = 0; m < rows; ++m) x[m] = c.x + c.plan.token[p0 + m] * c.x_stride;
         float g[DOT_ROWS * DOT_GROUP], v[DOT_ROWS * DOT_GROUP];
-        dots(l.gate, e, n0, n1, l.hidden, x, rows, g);
-        dots(l.up, e, n0, n1, l.hidden, x, rows, v);
+        if (c.s.xb) {
+            const bf16* xb[DOT_ROWS];
+            for (int m = 0; m < rows; ++m) xb[m] = c.s.xb + c.plan.token[p0 + m] * l.hidden;
+            bf16_dots(l.gate, e, n0, n1, l.hidden, xb, rows, g);
+            bf16_dots(l.up, e, n0, n1, l.hidden, xb, rows, v);
+        } else {
+            dots(l.gate, e, n0, n1, l.hidden, x, rows, g);
+            dots(l.up, e, n0, n1, l.hidden, x, rows, v);
+        }
         for (int m = 0; m < rows; ++m)
             activate(l, e, n0, n1 - n0, g + m * DOT_GROUP, v + m * DOT_GROUP,
-                     c.s.act + (p0 + m) * l.inter);
+                     c.s.act + (p0 + m) * l.inter,
+                     c.s.actb ? c.s.actb + (p0 + m) * l.inter : nullptr);
     }
 }
 
@@ -257,7 +339,7 @@ void large_gate_up(const Call& c) {
     for (size_t i = 0; i < rows.size(); ++i) {
         const float* g = c.s.gu + rows[i] * 2 * l.inter;
         activate(l, c.plan.expert[rows[i]], 0, l.inter, g, g + l.inter,
-                 c.s.act + rows[i] * l.inter);
+                 c.s.act + rows[i] * l.inter, nullptr);
     }
 }
 
@@ -272,10 +354,16 @@ void down(const Call& c) {
         const int64_t e = small[u / groups], n0 = u % groups * DOT_GROUP;
         const int64_t n1 = std::min(l.hidden, n0 + DOT_GROUP), p0 = c.plan.start[e];
         const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
-        const float* x[DOT_ROWS];
-        for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * l.inter;
         float y[DOT_ROWS * DOT_GROUP];
-        dots(l.down, e, n0, n1, l.inter, x, rows, y);
+        if (c.s.actb) {
+            const bf16* x[DOT_ROWS];
+            for (int m = 0; m < rows; ++m) x[m] = c.s.actb + (p0 + m) * l.inter;
+            bf16_dots(l.down, e, n0, n1, l.inter, x, rows, y);
+        } else {
+            const float* x[DOT_ROWS];
+            for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * l.inter;
+            dots(l.down, e, n0, n1, l.inter, x, rows, y);
+        }
         for (int m = 0; m < rows; ++m)
             std::memcpy(c.s.ys + (p0 + m) * l.hidden + n0, y + m * DOT_GROUP,
                         (n1 - n0) * sizeof(float));
@@ -337,15 +425,33 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     const int64_t rows = tokens * topk;
     if (group_by_expert(ids, rows, topk, l->num_experts, plan)) return 1;
     thread_local std::vector<float> buffer;
+    thread_local std::vector<bf16> buffer16;
     const int64_t h = l->hidden, inter = l->inter;
-    buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter)));
+    const bool bf16_in = l->gate.qtype == BF16_CODE && l->up.qtype == BF16_CODE;
+    const bool bf16_act = l->down.qtype == BF16_CODE;
+    buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter) + (bf16_in ? tokens * h : 0)));
+    buffer16.resize(BF16_DOT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
+    float* const xr = buffer.data() + rows * (2 * h + 3 * inter);  // x rounded (bf16_in)
     const Scratch s{buffer.data(), buffer.data() + rows * h, buffer.data() + rows * (h + 2 * inter),
-                    buffer.data() + rows * (h + 3 * inter)};
+                    buffer.data() + rows * (h + 3 * inter),
+                    BF16_DOT && bf16_in ? buffer16.data() : nullptr,
+                    BF16_DOT && bf16_act ? buffer16.data() + tokens * h : nullptr};
+    const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;
+    if (bf16_in) {  // x rounded to bf16 once: as floats for the tiles, as bf16 for vdpbf16ps
+#pragma omp parallel for num_threads(num_threads) if (parallel && tokens >= 64)
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t i = 0; i < h; ++i) {
+                const bf16 b = from_float<bf16>(x[t * x_stride + i]);
+                xr[t * h + i] = to_float(b);
+                if (s.xb) s.xb[t * h + i] = b;
+            }
+        x = xr;
+        x_stride = h;
+    }
     thread_local std::vector<float> xt;
     plan_large(*l, s, plan, xt);
     const Call c{*l, plan, s, x, x_stride, tokens, weights, topk, out, out_stride,
                  accumulate != 0};
-    const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     moe_team(c);
     return 0;

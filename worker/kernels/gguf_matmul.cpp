@@ -48,13 +48,15 @@ namespace {
 #include "gguf_gemm.h"
 #include "gguf_drive.h"
 #include "gguf_a8.h"
+#include "dense_blocks.h"
 
 }  // namespace
 
 extern "C" {
 
 // Status: 0, or 1 for bad sizes (K not a whole number of blocks, negative sizes), 2 for a
-// GGML type without a kernel here.
+// GGML type without a kernel here. Dense float32, float16 and bfloat16 rows (GGML's F32, F16,
+// BF16 codes; dense_blocks.h) run through the same drivers, widened to float32 in registers.
 __attribute__((visibility("default")))
 int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int64_t x_stride,
                 float* y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int accumulate,
@@ -76,7 +78,7 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
         });
         return known ? status : 2;
     }
-    const bool known = with_type(qtype, [&]<class Q>() {
+    const bool known = with_weight_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
         else if (num_threads == 0) drive<Q>(a);  // a step of the caller's region

@@ -6,7 +6,10 @@ Weights: a set of E matrices [n, k] (`ExpertMatrices`) is either GGUF blocks (ui
 row_bytes], any GGUF type with a kernel, I8 with per-row scales for weight-only int8) or dense
 rows (float32, bfloat16 or float16 [E, n, k]); a set's rows may be a view of a wider tensor
 (gate and up as the two halves of one [E, 2 * inter, ...] tensor). Activations, accumulation
-and results are float32. `experts_reference` is the same computation in torch: the fallback
+and results are float32, except that bfloat16 experts take bfloat16 inputs (as Hugging Face's
+and vLLM's do): x, for bf16 gate and up, and the SiLU product, for a bf16 down, are rounded to
+bf16 before their products (exact in float32; the kernel multiplies them with vdpbf16ps where
+the CPU has AVX512-BF16). `experts_reference` is the same computation in torch: the fallback
 where the library cannot be built, and the tests' reference.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ LIBRARY = NativeLibrary("fused-moe", "fused_moe.cpp", needed=lambda use: use.exp
 # GGML's codes of the dense types the kernel reads (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
+BF16_CODE = DENSE_CODES[torch.bfloat16]
 # layer, x, x_stride, tokens, ids, weights, topk, out, out_stride, accumulate, num_threads
 _FORWARD_ARGS = [PTR, PTR, I64, I64, PTR, PTR, I64, PTR, I64, I32, I32]
 _I64 = ctypes.c_int64
@@ -139,10 +143,15 @@ def experts_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     flat = topk_ids.reshape(-1).long()
     if flat.numel() and (flat.min() < 0 or flat.max() >= experts.num_experts):
         raise RuntimeError("fused_moe: an expert id outside the layer's experts")
+    bf16_in = experts.gate.code == experts.up.code == BF16_CODE
     for e in flat.unique().tolist():
         tokens, choice = (topk_ids == e).nonzero(as_tuple=True)
         xe = x[tokens].float()
+        if bf16_in:
+            xe = xe.bfloat16().float()
         act = F.silu(xe @ experts.gate.dense(e, hidden).T) * (xe @ experts.up.dense(e, hidden).T)
+        if experts.down.code == BF16_CODE:
+            act = act.bfloat16().float()
         y = act @ experts.down.dense(e, inter).T
         out.index_add_(0, tokens, y * topk_weights[tokens, choice, None].to(y))
     return out

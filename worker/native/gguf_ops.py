@@ -39,6 +39,8 @@ _QUANTIZE_ARGS = [PTR, I64, I64, I64, PTR, PTR, PTR]
 A8_FLAG = 0x100
 A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 A8_ISAS = ("scalar", "avx2", "vnni")
+# GGML's codes of the dense types gguf_matmul also multiplies (dense_blocks.h).
+DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,24 @@ class GgufOps:
         if status:
             _check(status, "gguf_matmul")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def dense_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 · weight [N, K]ᵀ -> [M, N] float32 for a dense float32, float16
+        or bfloat16 weight (rows contiguous, K a multiple of 32): each weight widened to
+        float32 in registers, float32 sums, so the result is x · weight.float()ᵀ up to the
+        summation order, reading the weight's own bytes (half a float32 copy's for 16 bits)."""
+        n, k = weight.shape
+        x2 = _activation_rows(x, k)
+        if weight.dtype not in DENSE_CODES or weight.stride(1) != 1 or k % 32 or not weight.is_cpu:
+            raise ValueError(f"weight must be dense float32/float16/bfloat16 [N, K] CPU rows "
+                             f"(K a multiple of 32), got {weight.dtype} {tuple(weight.shape)}")
+        out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+        status = self._matmul(DENSE_CODES[weight.dtype], weight.data_ptr(),
+                              weight.stride(0) * weight.element_size(), x2.data_ptr(),
+                              x2.stride(0), out.data_ptr(), out.stride(0), x2.shape[0], n, k, 0,
+                              torch.get_num_threads())
+        _check(status, "gguf_matmul")
+        return out
 
     def dequantize(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int) -> torch.Tensor:
         """The weights as float32 [N, K], exactly gguf.quants.dequantize's values."""

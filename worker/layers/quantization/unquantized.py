@@ -15,6 +15,7 @@ from worker.layers.quantization.base import (
     ShardDims,
     parameter,
 )
+from worker.native import gguf_ops
 from worker.native.fused_moe import bind_stacked
 
 
@@ -52,22 +53,33 @@ class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
 
 class UnquantizedLMHeadMethod(LinearMethodBase):
     """Logits in float32 whatever the compute dtype: a half-precision product rounds logits
-    to 8 (bf16) bits, which turns near-ties into exact ties and flips greedy tokens. After
-    loading, `weight_float32` is a float32 copy of `weight` (the weight itself when already
-    float32), packed for oneDNN on a CPU; `weight` stays the dense table a tied embedding
+    to 8 (bf16) bits, which turns near-ties into exact ties and flips greedy tokens. A float32
+    table is packed for oneDNN on a CPU (`weight_float32`). A bfloat16 or float16 table on a
+    CPU with the GGUF library is multiplied as it is (its weights widened to float32 in
+    registers, float32 sums: the float32 copy's values, reading half the bytes); elsewhere
+    `weight_float32` is a float32 copy. `weight` stays the dense table a tied embedding
     shares."""
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         _vocab_table(layer, in_per_rank, out_per_rank)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = layer.weight.detach().float()
+        table = layer.weight.detach()
+        layer.dense_ops = None
+        if (table.dtype in (torch.bfloat16, torch.float16) and table.is_cpu
+                and table.shape[1] % 32 == 0 and (ops := gguf_ops.native()) is not None):
+            layer.dense_ops = ops
+            return
+        weight = table.float()
         layer.weight_float32 = (onednn_linear.pack(weight)
                                 if onednn_linear.enabled(weight.device) else weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] -> [n, rows_per_rank] float32."""
+        if layer.dense_ops is not None:
+            logits = layer.dense_ops.dense_matmul(x.float(), layer.weight.data)
+            return logits if bias is None else logits.add_(bias)
         return onednn_linear.linear(x.float(), layer.weight_float32, bias)
 
 
