@@ -141,10 +141,12 @@ def run_shape(shape: str, args, smollm2: str) -> None:
     variants = {"ours": {}, "before": BEFORE, **dict(args.variant)}
     with contextlib.ExitStack() as stack:
         engines: dict[str, Run] = {}
-        for name, env in variants.items():
+        order = sorted(variants, key=lambda name: name != args.create_first)
+        for name, env in ((n, variants[n]) for n in order):
             with worker_env(env):
                 llm = stack.enter_context(LLM(smollm2, **options))
             engines[name] = ours(llm, "stream" if shape == "tp2" else shape)
+        engines = {name: engines[name] for name in variants}  # rounds run ours first
         if args.llamacpp_python:
             peer = stack.enter_context(Peer(args.llamacpp_python, "_llamacpp_peer.py"))
             gguf = next(f for f in os.listdir(smollm2) if f.endswith(".gguf"))
@@ -170,6 +172,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["stream", "batch", "tp2"],
                         choices=["stream", "batch", "tp2"])
     parser.add_argument("--llamacpp-python", help="a Python with llama-cpp-python")
+    parser.add_argument("--create-first", default="ours", help="the engine started first "
+                        "(on this VM the first-started worker ran ~5 %% slower whichever it "
+                        "was: run both orders to compare ours with before quietly)")
     parser.add_argument("--variant", type=parse_variant, action="append", default=[],
                         help="NAME:VAR=VALUE,... another engine, with that worker environment")
     args = parser.parse_args()

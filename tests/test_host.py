@@ -134,7 +134,7 @@ class Host:
     def __init__(self, others: float, step_s: dict[int, float]) -> None:
         self.now = 0.0
         self.load = FakeLoad(frozenset({0, 1}), others=others)
-        self.step_s = step_s  # team size -> seconds per step
+        self.step_s = step_s  # team size -> seconds per step (or a cycle of them)
         self.sizer = TeamSizer(2, self.load, trial_steps=4, backoff_s=1.0,
                                max_backoff_s=8.0, clock=lambda: self.now)
         self.sizes: list[int] = []
@@ -144,8 +144,10 @@ class Host:
             self.sizer.before_step()
             size = self.sizer.size
             self.sizes.append(size)
-            self.now += self.step_s[size]
-            self.sizer.after_step(rows, self.step_s[size])
+            times = self.step_s[size]
+            seconds = times[len(self.sizes) % len(times)] if isinstance(times, list) else times
+            self.now += seconds
+            self.sizer.after_step(rows, seconds)
 
 
 def test_a_quiet_host_tries_nothing():
@@ -167,12 +169,29 @@ def test_beside_a_neighbour_one_thread_is_tried_and_kept():
 
 def test_a_losing_trial_backs_off():
     host = Host(1.0, {2: 0.005, 1: 0.008})  # busy, yet the pair stays faster
-    host.steps(12)
-    assert host.sizes[4:9] == [1] * 5 and host.sizes[9:] == [2] * 3
+    host.steps(12)  # the trial ends at its first counted step, 1.6x the pair's
+    assert host.sizes[4:6] == [1] * 2 and host.sizes[6:] == [2] * 6
     assert host.sizer.current == 2
     host.steps(3000)  # 15 s: trials at 0, 1, 3, 7 and 15 s (backing off 1, 2, 4, 8 s)
     trials = [i for i in range(1, len(host.sizes)) if host.sizes[i] == 1 != host.sizes[i - 1]]
     assert 4 <= len(trials) <= 5 and host.sizer.current == 2
+
+
+def test_a_collapsing_pair_is_judged_by_its_time():
+    """Beside a CPU-bound neighbour most of the pair's steps are as fast as one thread's;
+    a few wait a whole time slice for the descheduled teammate. Their mean counts."""
+    host = Host(1.0, {2: [0.016] * 4 + [0.160], 1: 0.015})
+    host.steps(40)
+    assert host.sizer.current == 1 and set(host.sizes[9:]) == {1}
+
+
+def test_the_team_grows_as_soon_as_the_neighbour_leaves():
+    host = Host(1.0, {2: 0.05, 1: 0.015})
+    host.steps(20)
+    assert host.sizer.current == 1
+    host.load.others, host.step_s[2] = 0.0, 0.008  # the neighbour left
+    host.steps(6)  # at once: no steps under the new load needed first
+    assert host.sizes[-6:] == [2] * 6 and host.sizer.current == 2
 
 
 def test_a_neighbour_arriving_ends_the_backoff():
@@ -198,8 +217,20 @@ def test_the_load_meter_counts_other_processes():
     meter = LoadMeter(frozenset({0, 1}), interval_s=0.25,
                       sample=lambda cpus, ours: next(samples))
     assert meter.update(0.0) is False  # the first sample
-    assert meter.update(0.1) is False  # within the window: nothing read
+    assert meter.update(0.05) is False  # within the window: nothing read
     assert meter.update(0.5) is True and meter.others == pytest.approx(1.0)
+
+
+def test_after_an_idle_spell_the_first_window_is_short():
+    samples = iter([(0.0, 0.0, 0.0), (5.0, 6.0, 1.0), (5.1, 6.2, 1.1), (5.2, 6.4, 1.2),
+                    (5.35, 6.7, 1.35)])
+    meter = LoadMeter(frozenset({0, 1}), interval_s=0.25, first_s=0.1,
+                      sample=lambda cpus, ours: next(samples))
+    assert meter.update(0.0) is False
+    assert meter.update(5.0) is False  # 5 s idle: what others did then does not count
+    assert meter.update(5.11) is True and meter.others == pytest.approx(1.0)
+    assert meter.update(5.2) is False  # windows of interval_s from now on
+    assert meter.update(5.37) is True and meter.others == pytest.approx(1.0)
 
 
 def test_samples_of_this_host_are_consistent():

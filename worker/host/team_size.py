@@ -13,16 +13,24 @@ faster), so the steps decide:
   * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
     this process's CPUs (/proc/stat less this worker, its engine core and its front-end,
     whose detokenizing is the same engine's work): `team_size(CPUs - that)` is the
-    size worth trying, and when it differs from the current one a trial starts;
+    size worth trying, and when it differs from the current one a trial starts. After an
+    idle spell the first window is `first_s` (a host that went quiet while the worker
+    idled is seen within a few steps);
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
-    a thread, is not counted) and compares their median time with the steps just before it
-    (up to 32, of the same shape only: the same number of token rows). A smaller team must be
-    15 % faster to stay, a larger one no slower; a trial step twice as slow as the
-    reference ends the trial at once;
+    a thread, is not counted) and compares their mean time (what throughput counts: a
+    collapsing pair is as fast as one thread on most steps and 10x slower on a few) with
+    the steps just before it at the current size (up to 32, of the same shape only: the
+    same number of token rows). A smaller team must be 15 % faster to stay, and is judged
+    against steps under the load that prompted it (a neighbour arrived: at least
+    `trial_steps` of them first); a larger one must be no slower, and starts at once (the
+    meter read the cores free: any steps at the current size are its reference, and with
+    none it stays). A shrinking trial ends at once when its steps' median is 1.5x the
+    reference's (a quiet host's false alarm costs two steps), a growing one at a step
+    twice as slow (a collapsing team);
   * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
-    unless the load rises by `RISE` CPUs over what it was then (a neighbour arrived); below
-    the planned size, the planned size is tried again after `regrow_s` (doubling up to
-    `max_backoff_s` while it loses): a neighbour may have left, or turned bursty.
+    unless the load moves by `RISE` CPUs from what it was then (a neighbour arrived or
+    left); below the planned size, the planned size is tried again after `regrow_s`
+    (doubling up to `max_backoff_s` while it loses): a neighbour may have turned bursty.
 On a quiet host nothing is tried and nothing is spent.
 """
 from __future__ import annotations
@@ -93,21 +101,25 @@ class LoadMeter:
 
     cpus: frozenset[int]
     interval_s: float = 0.25
+    first_s: float = 0.1  # the first window after an idle spell (or the first sample)
     ours: tuple[int, ...] = ()  # processes of this engine whose CPU is not "others"
     sample: Callable[[frozenset[int], tuple[int, ...]], Sample] = read_sample
     others: float = 0.0
     _last: Sample | None = None
+    _window: float = 0.0  # the length of the window under way
 
     def update(self, now: float) -> bool:
         """Read a new window if one has passed; True when `others` is fresh. A window much
-        longer than `interval_s` (the worker idled) only starts the next one: it would
-        average what happened while nothing of ours ran."""
-        if self._last is not None and now - self._last[0] < self.interval_s:
+        longer than `interval_s` (the worker idled) only starts the next one, of
+        `first_s`: it would average what happened while nothing of ours ran."""
+        if self._last is not None and now - self._last[0] < self._window:
             return False
         sample = self.sample(self.cpus, self.ours)
         last, self._last = self._last, sample
         if last is None or not 0 < sample[0] - last[0] <= 4 * self.interval_s:
+            self._window = self.first_s
             return False
+        self._window = self.interval_s
         used = (sample[1] - last[1]) - (sample[2] - last[2])
         self.others = max(0.0, used) / (sample[0] - last[0])
         return True
@@ -124,14 +136,13 @@ class TeamSizer:
     clock: Callable[[], float] = time.monotonic
     current: int = 0  # the team size in use (max_threads to start)
     trial: int | None = None  # the size on trial, if any
-    # (rows, seconds) of the latest steps at the current size: a trial's reference, long
-    # enough that a neighbour's short burst does not make the current size look slow
+    # (rows, seconds, others) of the latest steps at the current size: a trial's reference,
+    # long enough that a neighbour's short burst does not make the current size look slow
     _recent: deque = field(default_factory=lambda: deque(maxlen=32))
     _trial_times: list = field(default_factory=list)
-    _reference: list = field(default_factory=list)
+    _reference: list = field(default_factory=list)  # (rows, seconds)
     _next_trial: float = 0.0
     _lost_at_load: float = float("inf")  # others when the last trial lost
-    _steps_load: float = 0.0  # others when the steps in _recent began
     _backoff: float = 0.0
     _regrow_at: float = float("inf")  # when max_threads is tried again (if below it)
     _regrow_backoff: float = 0.0
@@ -149,40 +160,52 @@ class TeamSizer:
         now = self.clock()
         if self.trial is not None or not self.load.update(now):
             return None
-        if abs(self.load.others - self._steps_load) >= RISE:  # the steps so far ran in
-            self._recent.clear()  # other conditions: not a reference for a trial
-        if not self._recent:
-            self._steps_load = self.load.others
-        wanted = team_size(len(self.load.cpus) - self.load.others, self.max_threads)
-        if wanted == self.current and self.current < self.max_threads and now >= self._regrow_at:
-            wanted = self.max_threads
-        elif now < self._next_trial and self.load.others < self._lost_at_load + RISE:
-            return None
-        if wanted == self.current or len(self._recent) < self.trial_steps:
-            return None
-        self.trial, self._trial_times, self._reference = wanted, [], list(self._recent)
+        others = self.load.others
+        wanted = team_size(len(self.load.cpus) - others, self.max_threads)
+        if wanted == self.current:
+            if self.current == self.max_threads or now < self._regrow_at:
+                return None
+            wanted = self.max_threads  # the planned size again: a neighbour may be bursty
+        elif now < self._next_trial and abs(others - self._lost_at_load) < RISE:
+            return None  # lost lately under this load
+        if wanted > self.current:
+            reference = [(r, t) for r, t, _ in self._recent]
+        else:  # against steps under the load that prompted it
+            reference = [(r, t) for r, t, load in self._recent if abs(load - others) < RISE]
+            if len(reference) < self.trial_steps:
+                return None
+        self.trial, self._trial_times, self._reference = wanted, [], reference
         return wanted
 
     def after_step(self, rows: int, seconds: float) -> int | None:
         """Record a step's time; the team size to go back to when a trial ends lost."""
         if self.trial is None:
-            self._recent.append((rows, seconds))
+            self._recent.append((rows, seconds, self.load.others))
             return None
         self._trial_times.append((rows, seconds))
         counted = self._trial_times[1:]  # the first step woke or parked a thread
-        reference = [t for r, t in self._reference if counted and r == counted[0][0]]
-        if counted and reference and counted[-1][1] > 2 * statistics.median(reference):
-            return self._lose()  # clearly worse (a collapsing team): no need to see more
+        if not counted:
+            return None
+        shape = counted[0][0]
+        trial = [t for r, t in counted if r == shape]
+        reference = [t for r, t in self._reference if r == shape]
+        grows = self.trial > self.current
+        if reference and (counted[-1][1] > 2 * statistics.median(reference) if grows else
+                          statistics.median(trial) > 1.5 * statistics.median(reference)):
+            return self._lose()  # clearly worse: no need to see more
         if len(counted) < self.trial_steps:
             return None
-        trial = [t for r, t in counted if r == counted[0][0]]
-        if len(trial) < self.trial_steps // 2 or len(reference) < self.trial_steps // 2:
+        half = self.trial_steps // 2
+        if len(trial) < half or len(reference) < half:
+            if grows:  # the meter read the cores free, and nothing says otherwise
+                return self._win(counted)
             self.trial, self._next_trial = None, self.clock() + self.backoff_s
+            self._lost_at_load = self.load.others
             return self.current  # steps of other shapes: no verdict, try later
         # Shrinking must win clearly (a bursty neighbour makes single trials noisy; a
         # CPU-bound one halves the step time); growing back needs only to be no slower.
-        margin = 0.85 if self.trial < self.current else 1.0
-        if statistics.median(trial) < margin * statistics.median(reference):
+        margin = 1.0 if grows else 0.85
+        if statistics.fmean(trial) < margin * statistics.fmean(reference):
             return self._win(counted)
         return self._lose()
 
@@ -190,9 +213,8 @@ class TeamSizer:
         grew = self.trial > self.current
         self.current, self.trial = self.trial, None
         self._recent.clear()
-        self._recent.extend(counted)
-        self._steps_load, self._lost_at_load = self.load.others, float("inf")
-        self._backoff = self.backoff_s
+        self._recent.extend((r, t, self.load.others) for r, t in counted)
+        self._lost_at_load, self._backoff = float("inf"), self.backoff_s
         if not grew:
             self._regrow_backoff = self.regrow_s
         self._regrow_at = (self.clock() + self._regrow_backoff
@@ -201,7 +223,9 @@ class TeamSizer:
 
     def _lose(self) -> int:
         now = self.clock()
-        if self.trial == self.max_threads and self.current < self.max_threads:
+        if self.trial == self.max_threads and self.current < self.max_threads \
+                and team_size(len(self.load.cpus) - self.load.others,
+                              self.max_threads) == self.current:  # a timed regrow
             self._regrow_backoff = min(2 * self._regrow_backoff, self.max_backoff_s)
             self._regrow_at = now + self._regrow_backoff
         else:
