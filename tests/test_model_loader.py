@@ -1,12 +1,11 @@
 """Checkpoint loading: sharded files, dtypes, TP sharding, and clear errors for bad inputs."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from model_utils import assert_greedy_matches, hf_greedy, make_tiny_model
+from model_utils import assert_greedy_matches, edit_config, hf_greedy, make_tiny_model
 from test_model_runner import PROMPTS, generate
 
 from worker.distributed.tensor_parallel import TensorParallel
@@ -43,13 +42,7 @@ def test_low_precision_checkpoints(tmp_path, monkeypatch, dtype):
 
 
 def _write_config(tmp_path, **changes) -> str:
-    path = make_tiny_model(str(tmp_path / "m"), "llama")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
+    return edit_config(make_tiny_model(str(tmp_path / "m"), "llama"), **changes)
 
 
 @pytest.mark.parametrize("changes,message", [

