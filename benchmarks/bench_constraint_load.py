@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import threading
 import time
 import uuid
 
+import bench_front_door
 import httpx
 from _common import ROOT
 from bench_front_door import Server, baseline_tree, watch
@@ -137,20 +137,9 @@ def run_case(server: Server, name: str, load: str, timeout: float) -> dict:
 
 def measure(tree: str, label: str, cases: list[str], loads: list[str],
             timeout: float) -> list[dict]:
-    rows, server = [], Server(tree)
-    try:
-        for name in cases:
-            for load in loads:  # quiet and busy back to back, per case
-                row = run_case(server, name, load, timeout)
-                row["tree"] = label
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if not row["serving_after"]:
-                    server.stop()
-                    server = Server(tree)
-    finally:
-        server.stop()
-    return rows
+    pairs = [(name, load) for name in cases for load in loads]  # quiet, busy: back to back
+    return bench_front_door.measure(
+        tree, label, pairs, lambda server, pair: run_case(server, *pair, timeout))
 
 
 def _extra(row: dict) -> str:

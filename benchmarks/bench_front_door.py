@@ -20,6 +20,8 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import psutil
@@ -178,11 +180,15 @@ def baseline_tree(rev: str) -> str:
     return tmp
 
 
-def measure(tree: str, label: str, cases: list[str]) -> list[dict]:
+def measure(tree: str, label: str, cases: list,
+            run: Callable[[Server, Any], dict] | None = None) -> list[dict]:
+    """`run(server, case)` (default run_case) for each case on one server of `tree`, a new
+    one after a case that left it not serving; each row printed as it comes."""
+    run = run or run_case
     rows, server = [], Server(tree)
     try:
-        for name in cases:
-            row = run_case(server, name)
+        for case in cases:
+            row = run(server, case)
             row["tree"] = label
             rows.append(row)
             print(json.dumps(row), flush=True)
