@@ -28,9 +28,7 @@ from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, ent
 logger = logging.getLogger("deltaserve")
 
 LIBRARY = NativeLibrary("fused-moe", "fused_moe.cpp", needed=lambda use: use.experts)
-# GGML's codes of the dense types the kernel reads (dense_blocks.h).
-DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
-DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
+DENSE_CODES, DENSE_BLOCK = gguf_ops.DENSE_CODES, gguf_ops.DENSE_BLOCK  # dense_blocks.h's
 BF16_CODE = DENSE_CODES[torch.bfloat16]
 # layer, x, x_stride, tokens, ids, weights, topk, out, out_stride, accumulate, num_threads
 _FORWARD_ARGS = [PTR, PTR, I64, I64, PTR, PTR, I64, PTR, I64, I32, I32]

@@ -39,8 +39,9 @@ _QUANTIZE_ARGS = [PTR, I64, I64, I64, PTR, PTR, PTR]
 A8_FLAG = 0x100
 A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 A8_ISAS = ("scalar", "avx2", "vnni")
-# GGML's codes of the dense types gguf_matmul also multiplies (dense_blocks.h).
+# GGML's codes of the dense types gguf_matmul and fused_moe also multiply (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ class GgufOps:
         summation order, reading the weight's own bytes (half a float32 copy's for 16 bits)."""
         n, k = weight.shape
         x2 = _activation_rows(x, k)
-        if weight.dtype not in DENSE_CODES or weight.stride(1) != 1 or k % 32 or not weight.is_cpu:
+        if (weight.dtype not in DENSE_CODES or weight.stride(1) != 1 or k % DENSE_BLOCK
+                or not weight.is_cpu):
             raise ValueError(f"weight must be dense float32/float16/bfloat16 [N, K] CPU rows "
                              f"(K a multiple of 32), got {weight.dtype} {tuple(weight.shape)}")
         out = torch.empty((x2.shape[0], n), dtype=torch.float32)

@@ -67,7 +67,7 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
         table = layer.weight.detach()
         layer.dense_ops = None
         if (table.dtype in (torch.bfloat16, torch.float16) and table.is_cpu
-                and table.shape[1] % 32 == 0 and (ops := gguf_ops.native()) is not None):
+                and table.shape[1] % gguf_ops.DENSE_BLOCK == 0 and (ops := gguf_ops.native()) is not None):
             layer.dense_ops = ops
             return
         weight = table.float()
