@@ -26,9 +26,13 @@ install: $(VENV)/.installed
 
 dev: $(VENV)/.installed-test
 
+# Tests run one thread each (tests/conftest.py), so TEST_WORKERS processes (pytest-xdist) keep
+# the cores busy; the kernels are compiled first, outside any test's time limit.
+TEST_WORKERS ?= 2
 test: dev
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(VENV)/bin/deltaserve kernels build
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The native CPU kernels for this CPU and compiler (a worker builds them before it reports
 # ready otherwise; cached in ~/.cache/deltaserve/cpu-kernels, shared by every checkout).
