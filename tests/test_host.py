@@ -40,6 +40,19 @@ def test_threads_follow_the_mask_and_are_divided_among_ranks():
     assert plan_threads(None, 8, 0, env={}, cpus={0}, read_quota=False).num_threads == 1
 
 
+def test_ranks_that_fill_the_mask_get_a_cpu_each():
+    """TP=2 on 2 CPUs: each rank's thread pinned to its own CPU (not when a quota caps the
+    CPUs, nor when the ranks leave CPUs over, nor for one rank)."""
+    plans = [plan_threads(None, 2, i, env={}, cpus={4, 6}, read_quota=False) for i in (0, 1)]
+    assert [(p.num_threads, p.bind, p.adaptive) for p in plans] == [(1, (4,), False),
+                                                                    (1, (6,), False)]
+    assert plans[1].describe() == ("1 thread (2 CPUs in the affinity mask / 2 ranks on this "
+                                   "host, a CPU each, pinned to CPUs 6)")
+    assert plan_threads(None, 2, 1, env={}, cpus={0, 1}, quota=1.0).bind is None
+    assert plan_threads(None, 3, 2, env={}, cpus=FOUR, read_quota=False).bind is None
+    assert plan_threads(None, 1, 0, env={}, cpus={0}, read_quota=False).bind is None
+
+
 def test_a_cgroup_quota_caps_the_threads_rounded_up():
     assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=1.5).num_threads == 2
     assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=2.0).num_threads == 2
