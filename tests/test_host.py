@@ -49,6 +49,11 @@ def test_ranks_that_fill_the_mask_get_a_cpu_each():
     assert plans[1].describe() == ("1 thread (2 CPUs in the affinity mask / 2 ranks on this "
                                    "host, a CPU each, pinned to CPUs 6)")
     assert plan_threads(None, 2, 1, env={}, cpus={0, 1}, quota=1.0).bind is None
+    assert plan_threads(None, 2, 1, env={BIND_ENV: "auto"}, cpus={0, 1},
+                        read_quota=False).bind == (1,)
+    for unbound in ("all", "nobind"):
+        assert plan_threads(None, 2, 1, env={BIND_ENV: unbound}, cpus={0, 1},
+                            read_quota=False).bind is None
     assert plan_threads(None, 3, 2, env={}, cpus=FOUR, read_quota=False).bind is None
     assert plan_threads(None, 1, 0, env={}, cpus={0}, read_quota=False).bind is None
 
