@@ -8,8 +8,9 @@ Python loop: one core's worth of demand) and runs every engine again, then stops
   batch   32 streams together: 32 random-token prompts x (64 in, 64 out)
   tp2     one stream at tensor parallel 2 (a thread per rank)
 Engines: `ours` (this checkout as it runs by default), `before` (the same code with its
-team size fixed, DELTASERVE_ADAPTIVE_THREADS=0: the threads before issue 32, for the
-quiet-host comparison; at tp2 it keeps this checkout's all-reduce, which sleeps), llama.cpp on the very same GGUF file (--llamacpp-python; n_threads
+team size fixed, DELTASERVE_ADAPTIVE_THREADS=0, and TP ranks unpinned,
+VLLM_CPU_OMP_THREADS_BIND=nobind: the threads before issue 32, for the quiet-host
+comparison; at tp2 it keeps this checkout's all-reduce and all-gather, which sleep), llama.cpp on the very same GGUF file (--llamacpp-python; n_threads
 = the cores), and any `--variant NAME:VAR=VALUE,...` (the worker's environment, e.g.
 `spin1k:GOMP_SPINCOUNT=1000`). Every engine is started once and warmed up; the load
 average is printed each round (other work on the host counts too).
@@ -35,7 +36,8 @@ from launch.model_cache.cache import download_model
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
 STREAM_TOKENS, BATCH = 128, (32, 64, 64)
-BEFORE = {"DELTASERVE_ADAPTIVE_THREADS": "0"}  # a fixed team, as before issue 32
+# a fixed team and unpinned TP ranks, as before issue 32
+BEFORE = {"DELTASERVE_ADAPTIVE_THREADS": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 NEIGHBOUR = "while True: pass"
 Run = Callable[[], tuple[int, float]]  # -> (tokens, seconds)
 

@@ -40,6 +40,24 @@ def test_threads_follow_the_mask_and_are_divided_among_ranks():
     assert plan_threads(None, 8, 0, env={}, cpus={0}, read_quota=False).num_threads == 1
 
 
+def test_ranks_that_fill_the_mask_get_a_cpu_each():
+    """TP=2 on 2 CPUs: each rank's thread pinned to its own CPU (not when a quota caps the
+    CPUs, nor when the ranks leave CPUs over, nor for one rank)."""
+    plans = [plan_threads(None, 2, i, env={}, cpus={4, 6}, read_quota=False) for i in (0, 1)]
+    assert [(p.num_threads, p.bind, p.adaptive) for p in plans] == [(1, (4,), False),
+                                                                    (1, (6,), False)]
+    assert plans[1].describe() == ("1 thread (2 CPUs in the affinity mask / 2 ranks on this "
+                                   "host, a CPU each, pinned to CPUs 6)")
+    assert plan_threads(None, 2, 1, env={}, cpus={0, 1}, quota=1.0).bind is None
+    assert plan_threads(None, 2, 1, env={BIND_ENV: "auto"}, cpus={0, 1},
+                        read_quota=False).bind == (1,)
+    for unbound in ("all", "nobind"):
+        assert plan_threads(None, 2, 1, env={BIND_ENV: unbound}, cpus={0, 1},
+                            read_quota=False).bind is None
+    assert plan_threads(None, 3, 2, env={}, cpus=FOUR, read_quota=False).bind is None
+    assert plan_threads(None, 1, 0, env={}, cpus={0}, read_quota=False).bind is None
+
+
 def test_a_cgroup_quota_caps_the_threads_rounded_up():
     assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=1.5).num_threads == 2
     assert plan_threads(None, 1, 0, env={}, cpus=FOUR, quota=2.0).num_threads == 2
@@ -131,22 +149,30 @@ class FakeLoad(LoadMeter):
 
 
 class Host:
-    def __init__(self, others: float, step_s: dict[int, float]) -> None:
-        self.now = 0.0
-        self.load = FakeLoad(frozenset({0, 1}), others=others)
+    def __init__(self, others: float, step_s: dict[int, float], metered: bool = False) -> None:
+        self.now, self.others, self.others_s = 0.0, others, 0.0
+        # metered: a real LoadMeter over this host's clock (windows, idle spells) instead of
+        # a fresh reading of `others` at every step
+        self.load = (LoadMeter(frozenset({0, 1}), sample=lambda c, o: (self.now,
+                                                                     self.others_s, 0.0))
+                     if metered else FakeLoad(frozenset({0, 1}), others=others))
         self.step_s = step_s  # team size -> seconds per step (or a cycle of them)
         self.sizer = TeamSizer(2, self.load, trial_steps=4, backoff_s=1.0,
                                max_backoff_s=8.0, clock=lambda: self.now)
         self.sizes: list[int] = []
 
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+        self.others_s += self.others * seconds
+
     def steps(self, n: int, rows: int = 1) -> None:
         for _ in range(n):
-            self.sizer.before_step()
-            size = self.sizer.size
+            size = self.sizer.before_step(rows)
+            assert size == self.sizer.size
             self.sizes.append(size)
             times = self.step_s[size]
             seconds = times[len(self.sizes) % len(times)] if isinstance(times, list) else times
-            self.now += seconds
+            self.wait(seconds)
             self.sizer.after_step(rows, seconds)
 
 
@@ -222,15 +248,53 @@ def test_the_load_meter_counts_other_processes():
 
 
 def test_after_an_idle_spell_the_first_window_is_short():
-    samples = iter([(0.0, 0.0, 0.0), (5.0, 6.0, 1.0), (5.1, 6.2, 1.1), (5.2, 6.4, 1.2),
-                    (5.35, 6.7, 1.35)])
+    samples = iter([(0.0, 0.0, 0.0), (5.0, 6.0, 1.0), (5.1, 6.2, 1.1), (5.35, 6.7, 1.35),
+                    (7.35, 9.7, 3.35)])
     meter = LoadMeter(frozenset({0, 1}), interval_s=0.25, first_s=0.1,
                       sample=lambda cpus, ours: next(samples))
     assert meter.update(0.0) is False
-    assert meter.update(5.0) is False  # 5 s idle: what others did then does not count
+    meter.restart()  # 5 s idle: what others did then does not count
+    assert meter.update(5.0) is False
     assert meter.update(5.11) is True and meter.others == pytest.approx(1.0)
     assert meter.update(5.2) is False  # windows of interval_s from now on
     assert meter.update(5.37) is True and meter.others == pytest.approx(1.0)
+    # a window a long step made long (no idle spell) counts
+    assert meter.update(7.35) is True and meter.others == pytest.approx(0.5)
+
+
+def test_after_an_idle_spell_a_prefill_runs_at_the_planned_size():
+    """The team shrank beside a neighbour; the neighbour left while the worker idled. The
+    meter knows nothing yet, so a prefill-sized step runs at the planned size; decode steps
+    keep the current size until the first window is read, then the team grows back."""
+    host = Host(1.0, {2: 0.05, 1: 0.015}, metered=True)
+    host.steps(60)
+    assert host.sizer.current == 1
+    host.others, host.step_s[2] = 0.0, 0.008
+    host.wait(3.0)
+    host.steps(1, rows=2048)
+    host.steps(1, rows=32)
+    assert host.sizes[-2:] == [2, 1] and host.sizer.current == 1  # the burst is no trial
+    host.steps(20, rows=32)  # the first window (0.1 s) is read: a growing trial, and it wins
+    assert host.sizer.current == 2 and set(host.sizes[-8:]) == {2}
+
+
+def test_after_an_idle_spell_beside_the_neighbour_the_team_stays_small():
+    host = Host(1.0, {2: 0.05, 1: 0.015}, metered=True)
+    host.steps(60)
+    host.wait(3.0)  # idle, the neighbour still there
+    host.steps(1, rows=2048)  # unknown load: at the planned size
+    host.steps(1, rows=1)  # a decode-sized step keeps the current size
+    host.steps(40)
+    assert host.sizes[-42:-40] == [2, 1] and set(host.sizes[-40:]) == {1}
+    assert host.sizer.current == 1 and host.sizer.trial is None
+    assert 2048 not in [rows for rows, _, _ in host.sizer._recent]  # no one's reference
+
+
+def test_no_idle_spell_between_steps_no_burst():
+    host = Host(1.0, {2: 0.05, 1: 0.015}, metered=True)
+    host.steps(60)
+    host.steps(3, rows=2048)  # back to back: the meter's windows are fresh enough
+    assert host.sizes[-3:] == [1, 1, 1]
 
 
 def test_samples_of_this_host_are_consistent():

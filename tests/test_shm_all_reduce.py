@@ -1,8 +1,10 @@
-"""The shared-memory all-reduce of local tensor-parallel CPU ranks (worker/distributed/shm_all_reduce.py),
-in two real processes joined through gloo: exact sums, identical bits on both ranks, every
-dtype, the gloo fallback for tensors over a slot, and a segment that leaves nothing behind."""
+"""The shared-memory all-reduce and all-gather of local tensor-parallel CPU ranks
+(worker/distributed/shm_all_reduce.py), in two real processes joined through gloo: exact sums
+and gathers, identical bits on both ranks, every dtype, the gloo fallback for tensors over a
+slot, a slow rank waited for, and a segment that leaves nothing behind."""
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
@@ -63,6 +65,27 @@ def _late_peer(rank: int, init_method: str, out_dir: str) -> None:
 
 
 LATE_S = 0.3
+# (dtype, shape) per gather, between sums; the last exceeds a slot and goes through gloo
+GATHERS = ([(torch.float32, (1, 96)), (torch.bfloat16, (3, 5)), (torch.float16, (2, 1, 7)),
+            (torch.float32, (32, 24576))] * 3
+           + [(torch.float32, (1, shm_all_reduce.SLOT_BYTES // 4 + 1))])
+
+
+def _gathers(rank: int, init_method: str, out_dir: str) -> None:
+    """Gathers interleaved with sums (they share the sequence numbers and slots); rank 1
+    sleeps before some calls, so rank 0 waits for it there (on its futex)."""
+    from worker.distributed.tensor_parallel import TensorParallel
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, WORLD, init_method, torch.device("cpu"))
+    results = []
+    for call, (dtype, shape) in enumerate(GATHERS):
+        if rank == 1 and call % 4 == 1:
+            time.sleep(0.05)
+        x = _input(rank, call, dtype, math.prod(shape)).view(shape)
+        results.append((tp.all_gather(x), tp.all_reduce(x.clone().flatten())))
+    assert tp.shm._seq == 2 * len(GATHERS) - 2  # the oversized ones went through gloo
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
 
 
 def _run_group(tmp_path, target=_rank) -> list:
@@ -101,3 +124,14 @@ def test_a_rank_waiting_for_a_late_peer_sleeps(tmp_path):
     for wall, cpu in waits:
         assert wall > LATE_S / 2
         assert cpu < 0.05, f"the waiting rank used {cpu * 1e3:.0f} ms of CPU in {wall * 1e3:.0f} ms"
+
+
+def test_gathers_are_exact_in_rank_order_and_wait_for_a_slow_rank(tmp_path):
+    per_rank = _run_group(tmp_path, _gathers)
+    for call, (dtype, shape) in enumerate(GATHERS):
+        parts = [_input(r, call, dtype, math.prod(shape)).view(shape) for r in range(WORLD)]
+        want = torch.cat(parts, dim=-1)
+        for results in per_rank:
+            gathered, summed = results[call]
+            assert gathered.dtype == dtype and torch.equal(gathered, want), call
+            assert torch.equal(summed, _expected(call, dtype, math.prod(shape)))

@@ -115,7 +115,7 @@ class WorkerProc:
             if isinstance(message, SchedulerOutput):  # (a WorkerPing needs nothing)
                 self.current_step = message.step
                 if self.host is not None:
-                    self.host.before_step()
+                    self.host.before_step(message.total_num_scheduled_tokens)
                 start = time.perf_counter()
                 output: ModelRunnerOutput = runner.execute_model(message)
                 if self.host is not None:

@@ -17,7 +17,7 @@ class TensorParallel:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         self.rank = rank
         self.world_size = world_size
-        # Local CPU ranks: small sums through shared memory instead of gloo's TCP.
+        # Local CPU ranks: small sums and gathers through shared memory instead of gloo's TCP.
         self.shm: ShmAllReduce | None = None
 
     @staticmethod
@@ -50,6 +50,8 @@ class TensorParallel:
         """Concatenate every rank's `x` along the last dimension, in rank order."""
         if self.world_size == 1:
             return x
+        if self.shm is not None and (gathered := self.shm.all_gather(x.contiguous())) is not None:
+            return gathered
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)

@@ -24,27 +24,27 @@ class HostSetup:
     description: str  # for the workers-ready line
     sizer: TeamSizer | None  # None: the team keeps its size
     log: LogLimiter
+    threads: int = 0  # the team size set last
 
-    def before_step(self) -> None:
-        """Start a trial of another team size if other processes' load suggests one."""
+    def before_step(self, rows: int) -> None:
+        """Set the team size for a step of `rows` token rows (the sizer may try another
+        size when other processes' load suggests one)."""
         if self.sizer is not None:
-            self._resize(self.sizer.before_step())
+            size = self.sizer.before_step(rows)
+            if size != self.threads:
+                torch.set_num_threads(size)
+                self.threads = size
 
     def after_step(self, rows: int, seconds: float) -> None:
         if self.sizer is not None and rows:
             before = self.sizer.current
-            self._resize(self.sizer.after_step(rows, seconds))
+            self.sizer.after_step(rows, seconds)
             if self.sizer.current != before:
                 self.log.info(f"{self.sizer.current} thread"
                               f"{'s' * (self.sizer.current != 1)} of "
                               f"{self.sizer.max_threads}: faster while other processes use "
                               f"{self.sizer.load.others:.1f} of {len(self.sizer.load.cpus)} "
                               "CPUs")
-
-    @staticmethod
-    def _resize(size: int | None) -> None:
-        if size is not None:
-            torch.set_num_threads(size)
 
 
 def ranks_on_this_host(config: EngineConfig, rank: int) -> tuple[int, int]:
@@ -73,4 +73,4 @@ def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
     adapts = ", fewer while other processes use the CPUs" if sizer else ""
     return HostSetup(f"{plan.describe()}{adapts}; {openmp.describe()}; "
                      f"{amx.describe(amx.this_process())}", sizer,
-                     LogLimiter(logger, f"worker_{rank}", first=20, every=100))
+                     LogLimiter(logger, f"worker_{rank}", first=20, every=100), plan.num_threads)

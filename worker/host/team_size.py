@@ -13,9 +13,12 @@ faster), so the steps decide:
   * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
     this process's CPUs (/proc/stat less this worker, its engine core and its front-end,
     whose detokenizing is the same engine's work): `team_size(CPUs - that)` is the
-    size worth trying, and when it differs from the current one a trial starts. After an
-    idle spell the first window is `first_s` (a host that went quiet while the worker
-    idled is seen within a few steps);
+    size worth trying, and when it differs from the current one a trial starts. An idle
+    spell (a gap of over `idle_s` between steps) drops the window under way and starts one
+    of `first_s` (a host that went quiet while the worker idled is seen within a few
+    steps); until it is read, a prefill-sized step (`burst_rows`) runs at the planned size
+    (a batch's first step after idling beside a neighbour that has since left would
+    otherwise run at one thread: 10 % of a 32-stream run);
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
     a thread, is not counted) and compares their mean time (what throughput counts: a
     collapsing pair is as fast as one thread on most steps and 10x slower on a few) with
@@ -109,20 +112,23 @@ class LoadMeter:
     _window: float = 0.0  # the length of the window under way
 
     def update(self, now: float) -> bool:
-        """Read a new window if one has passed; True when `others` is fresh. A window much
-        longer than `interval_s` (the worker idled) only starts the next one, of
-        `first_s`: it would average what happened while nothing of ours ran."""
+        """Read a new window if one has passed; True when `others` is fresh."""
         if self._last is not None and now - self._last[0] < self._window:
             return False
         sample = self.sample(self.cpus, self.ours)
         last, self._last = self._last, sample
-        if last is None or not 0 < sample[0] - last[0] <= 4 * self.interval_s:
+        if last is None or sample[0] <= last[0]:
             self._window = self.first_s
             return False
         self._window = self.interval_s
         used = (sample[1] - last[1]) - (sample[2] - last[2])
         self.others = max(0.0, used) / (sample[0] - last[0])
         return True
+
+    def restart(self) -> None:
+        """Drop the window under way (the worker idled through it: it would average what
+        others did while nothing of ours ran) and start one of `first_s`."""
+        self._last = None
 
 
 @dataclass
@@ -146,6 +152,11 @@ class TeamSizer:
     _backoff: float = 0.0
     _regrow_at: float = float("inf")  # when max_threads is tried again (if below it)
     _regrow_backoff: float = 0.0
+    idle_s: float = 0.05  # a longer gap between steps is an idle spell
+    burst_rows: int = 256  # a step this large after an idle spell runs at max_threads
+    burst: bool = False  # this step runs at max_threads outside the current size
+    _ended: float = float("inf")  # when the last step ended
+    _stale: bool = False  # idled since the meter's last reading
 
     def __post_init__(self) -> None:
         self.current = self.current or self.max_threads
@@ -153,39 +164,53 @@ class TeamSizer:
 
     @property
     def size(self) -> int:
-        return self.trial or self.current
+        return self.trial or (self.max_threads if self.burst else self.current)
 
-    def before_step(self) -> int | None:
-        """The team size to use from this step on when it changes (a trial), else None."""
+    def before_step(self, rows: int = 0) -> int:
+        """The team size for a step of `rows` token rows (it starts a trial when other
+        processes' load suggests one). After an idle spell the load is unknown until the
+        meter's first window: a prefill-sized step then runs at the planned size, which
+        beside a neighbour costs little (its parallel regions are long) and on a host that
+        went quiet while the worker idled saves half its time."""
         now = self.clock()
-        if self.trial is not None or not self.load.update(now):
-            return None
-        others = self.load.others
+        if now - self._ended > self.idle_s:
+            self.load.restart()
+            self._stale = True
+        if self.trial is None and self.load.update(now):
+            self._stale = False
+            self._consider(now, self.load.others)
+        self.burst = self._stale and self.trial is None and rows >= self.burst_rows
+        return self.size
+
+    def _consider(self, now: float, others: float) -> None:
+        """Start a trial of the size `others` CPUs of load leave room for, if worth it."""
         wanted = team_size(len(self.load.cpus) - others, self.max_threads)
         if wanted == self.current:
             if self.current == self.max_threads or now < self._regrow_at:
-                return None
+                return
             wanted = self.max_threads  # the planned size again: a neighbour may be bursty
         elif now < self._next_trial and abs(others - self._lost_at_load) < RISE:
-            return None  # lost lately under this load
+            return  # lost lately under this load
         if wanted > self.current:
             reference = [(r, t) for r, t, _ in self._recent]
         else:  # against steps under the load that prompted it
             reference = [(r, t) for r, t, load in self._recent if abs(load - others) < RISE]
             if len(reference) < self.trial_steps:
-                return None
+                return
         self.trial, self._trial_times, self._reference = wanted, [], reference
-        return wanted
 
-    def after_step(self, rows: int, seconds: float) -> int | None:
-        """Record a step's time; the team size to go back to when a trial ends lost."""
+    def after_step(self, rows: int, seconds: float) -> None:
+        """Record a step's time (a trial ends won or lost here)."""
+        self._ended = self.clock()
+        if self.burst:
+            return  # not at the current size: no one's reference
         if self.trial is None:
             self._recent.append((rows, seconds, self.load.others))
-            return None
+            return
         self._trial_times.append((rows, seconds))
         counted = self._trial_times[1:]  # the first step woke or parked a thread
         if not counted:
-            return None
+            return
         shape = counted[0][0]
         trial = [t for r, t in counted if r == shape]
         reference = [t for r, t in self._reference if r == shape]
@@ -194,14 +219,14 @@ class TeamSizer:
                           statistics.median(trial) > 1.5 * statistics.median(reference)):
             return self._lose()  # clearly worse: no need to see more
         if len(counted) < self.trial_steps:
-            return None
+            return
         half = self.trial_steps // 2
         if len(trial) < half or len(reference) < half:
             if grows:  # the meter read the cores free, and nothing says otherwise
                 return self._win(counted)
             self.trial, self._next_trial = None, self.clock() + self.backoff_s
             self._lost_at_load = self.load.others
-            return self.current  # steps of other shapes: no verdict, try later
+            return  # steps of other shapes: no verdict, try later
         # Shrinking must win clearly (a bursty neighbour makes single trials noisy; a
         # CPU-bound one halves the step time); growing back needs only to be no slower.
         margin = 1.0 if grows else 0.85
@@ -219,9 +244,8 @@ class TeamSizer:
             self._regrow_backoff = self.regrow_s
         self._regrow_at = (self.clock() + self._regrow_backoff
                            if self.current < self.max_threads else float("inf"))
-        return None
 
-    def _lose(self) -> int:
+    def _lose(self) -> None:
         now = self.clock()
         if self.trial == self.max_threads and self.current < self.max_threads \
                 and team_size(len(self.load.cpus) - self.load.others,
@@ -232,4 +256,3 @@ class TeamSizer:
             self._next_trial, self._lost_at_load = now + self._backoff, self.load.others
             self._backoff = min(2 * self._backoff, self.max_backoff_s)
         self.trial = None
-        return self.current

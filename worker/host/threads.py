@@ -5,11 +5,16 @@ In order of precedence:
   1. `--num-threads N` (`num_threads`);
   2. `VLLM_CPU_OMP_THREADS_BIND`, as vLLM reads it: CPU lists per local rank separated by
      `|` (`0-3|4-7`): the rank's threads are pinned one per listed CPU, as many as listed;
-     `all`/`nobind`/`auto` (the default) pin nothing (vLLM's `auto` pins to NUMA nodes;
-     here `auto` follows the mask, so a neighbour on one core is not a wall);
+     `all`/`nobind` pin nothing; `auto` (the default) follows the mask (vLLM's `auto` pins
+     to NUMA nodes), pinning only as 4. says, so a neighbour on one core is not a wall;
   3. `OMP_NUM_THREADS` when set (a test runner, or someone sharing the host on purpose);
   4. the usable CPUs (affinity mask, capped by the quota rounded up, as Java and Go count a
-     quota) divided among the ranks on this host, at least 1.
+     quota) divided among the ranks on this host, at least 1. When the ranks exactly fill
+     the mask (tensor parallel 2 on 2 CPUs, no quota below it) each rank's one thread is
+     pinned to its own CPU: unpinned, a CPU-bound neighbour and the two ranks (which wait
+     for each other at every all-reduce) shared the cores worse; pinned, only the neighbour
+     moves (TP=2 SmolLM2 beside one: 28.1 vs 24.7 tok/s, quiet 64.3 vs 60.7;
+     benchmarks/bench_contention.py, README "On a shared host").
 """
 from __future__ import annotations
 
@@ -61,6 +66,8 @@ def plan_threads(configured: int | None, ranks_here: int, local_index: int,
         usable = max(1, min(usable, math.ceil(quota - 1e-9)))
     if ranks_here > 1:
         why += f" / {ranks_here} ranks on this host"
+    if ranks_here > 1 and usable == len(cpus) == ranks_here and bind.lower() in ("", "auto"):
+        return ThreadPlan(1, why + ", a CPU each", (sorted(cpus)[local_index],))
     return ThreadPlan(max(1, usable // max(1, ranks_here)), why, adaptive=True)
 
 

@@ -1,6 +1,6 @@
-// All-reduce (sum) between the tensor-parallel ranks of one host through a shared memory
-// segment, for the small per-layer reductions of decode steps, where gloo's loopback TCP
-// costs a process wake-up per call (worker/shm_all_reduce.py).
+// All-reduce (sum) and all-gather between the tensor-parallel ranks of one host through a
+// shared memory segment, for the small per-layer reductions and the logits of decode steps,
+// where gloo's loopback TCP costs process wake-ups per call (worker/distributed/shm_all_reduce.py).
 //
 // Segment layout (every rank maps the same bytes; a fresh segment is all zeros):
 //   flags  [world] 64-byte lines: at +0 uint64, the last sequence number rank r published;
@@ -11,7 +11,8 @@
 //   1. copy the input into its own slot of parity seq % 2; publish flags[rank] = seq (release)
 //   2. wait until every flags[r] >= seq (acquire)
 //   3. sum the world slots of parity seq % 2 in rank order, in float32, rounded once into the
-//      caller's tensor: every rank computes the same bits.
+//      caller's tensor: every rank computes the same bits (an all-gather instead reads the
+//      slots as they are: shm_exchange is steps 1 and 2).
 // Reuse is safe with two parities: a rank overwrites its parity-p slot at seq + 2 only after
 // every peer published seq + 1, which a peer does only after it finished reading seq.
 // Waiting spins briefly (~0.1 ms: a peer on another core arrives within that on a quiet host),
@@ -109,21 +110,39 @@ void sum_slots(void* base, int world, int64_t slot_bytes, uint64_t seq, T* out, 
     }
 }
 
+// Steps 1 and 2 of a call: this rank's `bytes` of input published, every peer's awaited.
+// 0, or 1 when a peer did not publish within timeout_s, 2/3 for bad arguments.
+int exchange(void* base, int64_t slot_bytes, int rank, int world, uint64_t seq,
+             const void* data, int64_t bytes, double timeout_s) {
+    if (world < 1 || world > MAX_WORLD || rank < 0 || rank >= world || seq == 0) return 2;
+    if (bytes < 0 || bytes > slot_bytes) return 3;
+    std::memcpy(slot(base, world, slot_bytes, rank, seq), data, bytes);
+    publish(base, rank, seq);
+    return wait_for_peers(base, world, seq, timeout_s) ? 0 : 1;
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default")))
 int shm_all_reduce(void* base, int64_t slot_bytes, int rank, int world, uint64_t seq,
                    int dtype, void* data, int64_t numel, double timeout_s) {
     static const int64_t sizes[] = {4, 2, 2};
-    if (dtype < 0 || dtype > 2 || world < 1 || world > MAX_WORLD || rank < 0 || rank >= world || seq == 0) return 2;
-    if (numel * sizes[dtype] > slot_bytes) return 3;
-    std::memcpy(slot(base, world, slot_bytes, rank, seq), data, numel * sizes[dtype]);
-    publish(base, rank, seq);
-    if (!wait_for_peers(base, world, seq, timeout_s)) return 1;
+    if (dtype < 0 || dtype > 2) return 2;
+    const int status = exchange(base, slot_bytes, rank, world, seq, data,
+                                numel * sizes[dtype], timeout_s);
+    if (status) return status;
     switch (dtype) {
         case 0: sum_slots(base, world, slot_bytes, seq, static_cast<float*>(data), numel); break;
         case 1: sum_slots(base, world, slot_bytes, seq, static_cast<bf16*>(data), numel); break;
         default: sum_slots(base, world, slot_bytes, seq, static_cast<half_t*>(data), numel);
     }
     return 0;
+}
+
+// All-gather: steps 1 and 2 only; the caller reads the world slots of parity seq % 2 before
+// its next call (a peer rewrites them only after this rank's next publish).
+extern "C" __attribute__((visibility("default")))
+int shm_exchange(void* base, int64_t slot_bytes, int rank, int world, uint64_t seq,
+                 const void* data, int64_t bytes, double timeout_s) {
+    return exchange(base, slot_bytes, rank, world, seq, data, bytes, timeout_s);
 }
