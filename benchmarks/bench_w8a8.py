@@ -126,7 +126,7 @@ def quality_section(args, dense_dir: str) -> None:
     print(f"perplexity, SmolLM2, {len(ids)} tokens of held-out English: float32 "
           f"{ppl['float32'][0]:.4f}, w8a8 {ppl['w8a8'][0]:.4f} "
           f"({ppl['w8a8'][0] / ppl['float32'][0] - 1:+.2%}); next-token agreement {agree:.1%}")
-    template = ChatTemplate.from_model_dir(dense_dir)
+    template = ChatTemplate.from_model_dir(download_model("smollm2"))  # dense_dir has none
     prompts = [template.render([{"role": "user", "content": f"Tell me about {t}."}])
                for t in TOPICS]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
