@@ -9,7 +9,9 @@
 // gguf.quants.dequantize gives (gguf_blocks.h) and multiplied into float32 accumulators with
 // fused multiply-adds, so the result is dequantize-then-float32-matmul up to the order of the
 // summation (direct: W lanes of K / W terms each, then a lane tree; strips: one running sum
-// per KC chunk of K, then the chunks' sums). No activation quantization.
+// per KC chunk of K, then the chunks' sums). No activation quantization, except where the
+// qtype carries A8_FLAG (not exact): 8 bits per block of 32 for the GGUF block types
+// (gguf_a8.h), per token for I8 rows (w8a8.h).
 //
 // Two drivers:
 //   direct (M <= DIRECT_ROWS, decode; gguf_gemv.h): each tile decodes up to 4 weight rows in
