@@ -15,7 +15,7 @@ from protocol.speculative_config import SpeculativeConfig
 AttentionBackendName = Literal["auto", "torch", "cpu", "cupy", "emulated"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Quantization = Literal["auto", "gguf", "gguf_a8", "int8", "none"]
+Quantization = Literal["auto", "gguf", "gguf_a8", "int8", "w8a8", "none"]
 ExecutorBackend = Literal["mp", "ray"]
 Runner = Literal["auto", "generate", "pooling"]
 Convert = Literal["auto", "none", "embed", "classify"]
@@ -39,7 +39,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "weights: gguf keeps a GGUF file's blocks and multiplies them as they are; gguf_a8 "
         "multiplies them with activations quantized to 8 bits per block (llama.cpp's "
         "arithmetic, integer dot products; not exact, never chosen by auto); int8 "
-        "quantizes a dense model at load (a scale per output channel); none runs dense "
+        "quantizes a dense model at load (a scale per output channel); w8a8 does too and "
+        "multiplies with activations quantized per token to int8 (vLLM's CPU W8A8; not "
+        "exact, never chosen by auto); none runs dense "
         "weights (a GGUF file dequantized to float32); auto: gguf for a GGUF model (a .gguf "
         "file, smollm2, gemma3-270m), none otherwise. Quantized weights compute in float32",
         aliases=["-q"])] = "auto"

@@ -9,7 +9,9 @@
 // gguf.quants.dequantize gives (gguf_blocks.h) and multiplied into float32 accumulators with
 // fused multiply-adds, so the result is dequantize-then-float32-matmul up to the order of the
 // summation (direct: W lanes of K / W terms each, then a lane tree; strips: one running sum
-// per KC chunk of K, then the chunks' sums). No activation quantization.
+// per KC chunk of K, then the chunks' sums). No activation quantization, except where the
+// qtype carries A8_FLAG (not exact): 8 bits per block of 32 for the GGUF block types
+// (gguf_a8.h), per token for I8 rows (w8a8.h).
 //
 // Two drivers:
 //   direct (M <= DIRECT_ROWS, decode; gguf_gemv.h): each tile decodes up to 4 weight rows in
@@ -48,6 +50,7 @@ namespace {
 #include "gguf_gemm.h"
 #include "gguf_drive.h"
 #include "gguf_a8.h"
+#include "w8a8.h"
 #include "dense_blocks.h"
 
 }  // namespace
@@ -66,6 +69,16 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
                  accumulate != 0};
     const bool parallel = num_threads > 1 && m * n * k >= PARALLEL_WORK;
     int status = 0;
+    if (qtype == (W8_CODE | A8_FLAG)) {  // w8a8: per-token int8 activations (w8a8.h)
+        if (k % 32 || k > W8_MAX_K) return 1;
+        if (m == 0 || n == 0) return 0;
+        if (num_threads == 0) w8_drive(a);
+        else {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+            w8_drive(a);
+        }
+        return 0;
+    }
     if (qtype & A8_FLAG) {
         const bool known = with_a8_type(qtype & ~A8_FLAG, [&]<class Q>() {
             if (k % A8_BLOCK) status = 1;
@@ -114,6 +127,16 @@ int gguf_quantize_q8(const float* x, int64_t x_stride, int64_t m, int64_t k, int
     const int64_t nb = k / A8_BLOCK;
     for (int64_t r = 0; r < m; ++r)
         quantize_row(x + r * x_stride, nb, q + r * k, d + r * nb, s + r * nb);
+    return 0;
+}
+
+// x [M, K] (row stride x_stride floats) quantized per token as the w8a8 products do (w8a8.h):
+// q int8 [M, K] contiguous, scale float [M]. For tests.
+__attribute__((visibility("default")))
+int gguf_quantize_w8a8(const float* x, int64_t x_stride, int64_t m, int64_t k, int8_t* q,
+                       float* scale) {
+    if (m < 0 || k <= 0 || k % 32) return 1;
+    for (int64_t r = 0; r < m; ++r) scale[r] = w8_quantize_token(x + r * x_stride, k, q + r * k);
     return 0;
 }
 

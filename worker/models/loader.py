@@ -33,6 +33,7 @@ from worker.layers.quantization.int8 import (
     Int8LMHeadMethod,
 )
 from worker.layers.quantization.unquantized import UnquantizedConfig
+from worker.layers.quantization.w8a8 import W8A8Config, W8A8LinearMethod
 from worker.models.config import ModelConfig
 from worker.models.gguf_checkpoint import GGUFCheckpoint, gguf_file_of
 from worker.models.pooling_adapter import PoolingModel
@@ -50,7 +51,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
                tp: TensorParallel, backend: AttentionBackend, max_positions: int,
                quantization: str = "none", convert: str = "none") -> nn.Module:
     """The architecture's class from the registry, built on `device` and loaded, its weights
-    as `quantization` (resolved: gguf, gguf_a8, int8 or none) says.
+    as `quantization` (resolved: gguf, gguf_a8, int8, w8a8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
@@ -98,6 +99,8 @@ def weights_summary(model: nn.Module, quantization: str) -> str:
         elif isinstance(method, (GGUFEmbeddingMethod, GGUFLMHeadMethod)) and not (
                 module is model.lm_head and model.config.tie_word_embeddings):
             kept[method.qtype.name + ("/a8" if getattr(method, "a8", False) else "")] += 1
+        elif isinstance(method, W8A8LinearMethod):
+            kept["int8/a8"] += 1
         elif isinstance(method, (Int8LinearMethod, Int8LMHeadMethod, Int8FusedMoEMethod)):
             kept["int8"] += 1
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -111,6 +114,8 @@ def _quant_config(quantization: str, kept: dict, packed: dict[str, tuple[str, ob
         return GGUFConfig(kept, packed, tied)
     if quantization == "gguf_a8":
         return GGUFA8Config(kept, packed, tied)
+    if quantization == "w8a8":
+        return W8A8Config()
     return Int8Config() if quantization == "int8" else UnquantizedConfig()
 
 

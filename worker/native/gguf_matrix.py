@@ -11,15 +11,16 @@ from worker.native import gguf_ops
 class GgufMatrix:
     """W [N, K] as `qweight` uint8 [N, row_bytes] (rows contiguous, any row stride; the
     tensor must outlive this object's use, as its address is kept). With `a8` the products
-    quantize x to 8 bits per block first (worker/native/gguf_a8.py: not exact); `code` is the
-    kernel's type code, A8_FLAG included."""
+    quantize x to 8 bits per block first (worker/native/gguf_a8.py), or per token for I8 rows
+    (w8a8, worker/native/w8a8.py): not exact; `code` is the kernel's type code, A8_FLAG
+    included."""
 
     __slots__ = ("qweight", "qtype", "n", "k", "a8", "code", "_call", "_w", "_w_stride")
 
     def __init__(self, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
                  a8: bool = False) -> None:
         self.qtype = gguf_ops.gguf_type(qtype)
-        if a8 and self.qtype.name not in gguf_ops.A8_TYPES:
+        if a8 and self.qtype.name not in (*gguf_ops.A8_TYPES, gguf_ops.W8A8_TYPE):
             raise ValueError(f"no 8-bit-activation kernel for {self.qtype.name}")
         self.a8, self.code = a8, self.qtype.code | (gguf_ops.A8_FLAG if a8 else 0)
         self.qweight = gguf_ops.weight_rows(qweight, self.qtype, n, k)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
-from worker.native.q8_activations import quantize_dequantize
+from worker.native.q8_activations import quantize_dequantize, quantize_dequantize_tokens
 
 logger = logging.getLogger("deltaserve")
 
@@ -39,6 +39,11 @@ _QUANTIZE_ARGS = [PTR, I64, I64, I64, PTR, PTR, PTR]
 A8_FLAG = 0x100
 A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 A8_ISAS = ("scalar", "avx2", "vnni")
+# I8 rows with A8_FLAG: the w8a8 product (worker/kernels/w8a8.h): x quantized per token to
+# int8 (not per block), int32 sums; the caller multiplies by the rows' scales. Same ISAs.
+W8A8_TYPE = "I8"
+# x, x_stride, m, k, q, scale
+_QUANTIZE_W8A8_ARGS = [PTR, I64, I64, I64, PTR, PTR]
 # GGML's codes of the dense types gguf_matmul and fused_moe also multiply (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
@@ -110,6 +115,7 @@ class GgufOps:
         self.simd_width: int = entry_point(library, "gguf_simd_width", [])()
         self._quantize_q8 = entry_point(library, "gguf_quantize_q8", _QUANTIZE_ARGS)
         self._a8_isa = entry_point(library, "gguf_a8_isa", [I32])
+        self._quantize_w8a8 = entry_point(library, "gguf_quantize_w8a8", _QUANTIZE_W8A8_ARGS)
 
     @property
     def a8_isa(self) -> str:
@@ -132,6 +138,17 @@ class GgufOps:
         _check(self._quantize_q8(x2.data_ptr(), x2.stride(0), m, k, q.data_ptr(), d.data_ptr(),
                                  s.data_ptr()), "gguf_quantize_q8")
         return q, d, s
+
+    def quantize_w8a8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x float32 [M, K] quantized per token as the w8a8 products do: q int8 [M, K],
+        scale float32 [M]."""
+        x2 = _activation_rows(x, x.shape[-1])
+        m, k = x2.shape
+        q = torch.empty((m, k), dtype=torch.int8)
+        scale = torch.empty(m, dtype=torch.float32)
+        _check(self._quantize_w8a8(x2.data_ptr(), x2.stride(0), m, k, q.data_ptr(),
+                                   scale.data_ptr()), "gguf_quantize_w8a8")
+        return q, scale
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: int,
                out: torch.Tensor | None = None, accumulate: bool = False,
@@ -257,7 +274,8 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: str | int, n: int, k: 
         raise ValueError("accumulate=True needs `out`")
     x2 = _activation_rows(x, k)
     if a8:
-        x2 = quantize_dequantize(x2)
+        per_token = gguf_type(qtype).name == W8A8_TYPE
+        x2 = (quantize_dequantize_tokens if per_token else quantize_dequantize)(x2)
     y = x2 @ dequantize_reference(qweight, qtype, n, k).T
     if out is None:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

@@ -7,12 +7,15 @@ GGUF file, "none" for dense checkpoints); `--quantization` picks what runs:
   gguf_a8  the same blocks multiplied with activations quantized to 8 bits per block of 32
         (llama.cpp's arithmetic; NOT exact, opt-in only: `auto` never picks it)
   int8  weight-only int8 quantized at load (dense checkpoints only)
+  w8a8  int8 weights quantized at load (per output channel) times activations quantized per
+        token to int8 (vLLM's CPU W8A8; dense checkpoints only; NOT exact, opt-in only)
   none  dense weights (a GGUF file's tensors dequantized to float32 at load)
 """
 from __future__ import annotations
 
 CHECKPOINT_METHODS = ("none", "gguf")  # what a checkpoint may declare
-QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "int8", "none")  # what --quantization may ask for
+# what --quantization may ask for
+QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "int8", "w8a8", "none")
 
 
 def resolve_quantization(requested: str, checkpoint: str) -> str:
@@ -25,9 +28,11 @@ def resolve_quantization(requested: str, checkpoint: str) -> str:
         return checkpoint
     if requested in ("gguf", "gguf_a8") and checkpoint != "gguf":
         raise ValueError(f"--quantization {requested} needs a GGUF model (a .gguf file or a "
-                         "model converted from one); this checkpoint is dense: use int8 or "
-                         "none")
-    if requested == "int8" and checkpoint != "none":
-        raise ValueError(f"--quantization int8 quantizes a dense checkpoint at load; this "
-                         f"model is already {checkpoint}: use {checkpoint} or none")
+                         "model converted from one); this checkpoint is dense: use int8, w8a8 "
+                         "or none")
+    if requested in ("int8", "w8a8") and checkpoint != "none":
+        alternatives = f"{checkpoint}, gguf_a8 or none" if checkpoint == "gguf" else \
+            f"{checkpoint} or none"
+        raise ValueError(f"--quantization {requested} quantizes a dense checkpoint at load; "
+                         f"this model is already {checkpoint}: use {alternatives}")
     return requested
