@@ -106,7 +106,7 @@ def measure(case: tuple, rounds: int, budget_s: float, clock=time.perf_counter,
     calls = {"torch": layer_call(TorchAttentionBackend(), case),
              "cpu": layer_call(CpuAttentionBackend(), case)}
     if baseline is not None:
-        calls["baseline"] = layer_call(CpuAttentionBackend(baseline), case)
+        calls["baseline"] = layer_call(CpuAttentionBackend(baseline, bf16_dot=False), case)
     iters = {name: max(2, int(budget_s * 1e6 / mean_us(fn, 1))) for name, fn in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from worker.attention.metadata import AttentionMetadata
+from worker.device import cpu_has_native
 from worker.native import cpu_attention
 from worker.native.library import DTYPE_CODES
 
@@ -54,10 +55,15 @@ class CpuAttentionBackend:
 
     name = "cpu"
 
-    def __init__(self, kernel=None) -> None:
+    def __init__(self, kernel=None, bf16_dot: bool | None = None) -> None:
         """`kernel`: another build of the entry point (tests, benchmarks); default this
-        machine's (cpu_attention.load())."""
+        machine's (cpu_attention.load()). `bf16_dot`: ask for the vdpbf16ps units with bf16
+        caches; None: where the CPU multiplies bf16 natively (DELTASERVE_CPU_BF16=0: never).
+        Builds without AVX512-BF16 ignore the request; a kernel older than it rejects it."""
         self._kernel = kernel or cpu_attention.load()
+        self._codes = dict(DTYPE_CODES)
+        if cpu_has_native(torch.bfloat16) if bf16_dot is None else bf16_dot:
+            self._codes[torch.bfloat16] |= cpu_attention.BF16_DOT
 
     def plan(self, metadata: AttentionMetadata) -> None:
         metadata.plan = None  # built by the first layer, which knows the head group
@@ -74,7 +80,7 @@ class CpuAttentionBackend:
         query, key, value = (_rows_contiguous(t, dtype) for t in (query, key, value))
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=dtype)
         status = self._kernel(
-            DTYPE_CODES[dtype], query.data_ptr(), query.stride(0),
+            self._codes[dtype], query.data_ptr(), query.stride(0),
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), plan.slot_mapping.data_ptr(), num_tokens,
             plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),

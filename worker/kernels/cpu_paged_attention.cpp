@@ -57,6 +57,7 @@ struct Params {
 
 #include "cpu_paged_attention_simd.h"
 #include "cpu_paged_attention_rows.h"
+#include "cpu_paged_attention_bf16.h"
 #include "cpu_paged_attention_tile.h"
 
 template <typename T>
@@ -77,10 +78,10 @@ void write_kv(const Params& p) {
 }
 
 // Called by every thread of a parallel region (or by one thread outside any).
-template <typename T, int D>
+template <typename T, int D, bool Dot>
 void write_and_attend(const Params& p) {
     write_kv<T>(p);  // ends in an implicit barrier: every slot is written before any read
-    Tile<T, D> tile(p);
+    Tile<T, D, Dot> tile(p);
     const int64_t units = p.num_items * p.num_kv_heads;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u)
@@ -89,14 +90,14 @@ void write_and_attend(const Params& p) {
 
 // num_threads = 0: the call is one step of an enclosing parallel region (cpu_decoder.cpp),
 // made by every thread of its team with the same arguments.
-template <typename T, int D>
+template <typename T, int D, bool Dot = false>
 void run(const Params& p, int num_threads) {
     if (num_threads == 0) {
-        write_and_attend<T, D>(p);
+        write_and_attend<T, D, Dot>(p);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
-    write_and_attend<T, D>(p);
+    write_and_attend<T, D, Dot>(p);
 }
 
 template <typename T>
@@ -109,7 +110,27 @@ int dispatch_dim(const Params& p, int num_threads) {
     }
 }
 
+// bf16 with the vdpbf16ps units where this build has them and head_dim allows (the fixed
+// head dims are all multiples of 32); the widened path otherwise.
+int dispatch_bf16(const Params& p, int num_threads, bool dot) {
+    if constexpr (kHasBf16Dot) {
+        if (dot && p.head_dim % kBf16DotDims == 0) {
+            switch (p.head_dim) {
+                case 64: run<bf16, 64, kHasBf16Dot>(p, num_threads); return 0;
+                case 128: run<bf16, 128, kHasBf16Dot>(p, num_threads); return 0;
+                case 256: run<bf16, 256, kHasBf16Dot>(p, num_threads); return 0;
+                default: run<bf16, 0, kHasBf16Dot>(p, num_threads); return 0;
+            }
+        }
+    }
+    return dispatch_dim<bf16>(p, num_threads);
+}
+
 }  // namespace
+
+// dtype: a cpu_dtypes.h code; bf16 | BF16_DOT asks for the vdpbf16ps units, taken where the
+// build has AVX512-BF16 (cpu_paged_attention_bf16_dot()) and head_dim % 32 == 0.
+constexpr int BF16_DOT = 0x10;
 
 extern "C" __attribute__((visibility("default")))
 int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* k,
@@ -126,12 +147,18 @@ int cpu_paged_attention(int dtype, const void* q, int64_t q_stride, const void* 
     Params p{q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens,
              query_start_loc, seq_lens, block_table, bt_stride, items, num_items, out,
              num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window};
-    switch (dtype) {  // worker/cpu_attention.py: _DTYPE_CODES
+    switch (dtype) {  // worker/native/library.py DTYPE_CODES, | BF16_DOT for bf16
         case 0: return dispatch_dim<float>(p, num_threads);
-        case 1: return dispatch_dim<bf16>(p, num_threads);
+        case 1: return dispatch_bf16(p, num_threads, false);
+        case 1 | BF16_DOT: return dispatch_bf16(p, num_threads, true);
         case 2: return dispatch_dim<half_t>(p, num_threads);
         default: return 2;
     }
+}
+
+// Whether this build has the vdpbf16ps units (BF16_DOT is honoured, not ignored).
+extern "C" __attribute__((visibility("default"))) int cpu_paged_attention_bf16_dot() {
+    return kHasBf16Dot;
 }
 
 // Floats per SIMD vector this build uses (16: AVX-512, 8: AVX2, 4: baseline); for tests.

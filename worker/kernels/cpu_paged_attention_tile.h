@@ -9,12 +9,17 @@
 // group). Scores: small tiles (decode) dot each query row with the K rows straight from the
 // cache (key_dots); bigger ones (prefill) first transpose the chunk's K head slice into
 // kt_ [head_dim][KC] fp32, so scores vectorize over keys and each kt_ vector feeds a whole
-// row group (group_scores). Included inside cpu_paged_attention.cpp's anonymous namespace,
-// after cpu_paged_attention_simd.h and cpu_paged_attention_rows.h.
+// row group (group_scores). With Dot (bf16 caches, AVX512-BF16, head_dim a multiple of 32)
+// the decode scores and every p · V run on vdpbf16ps (cpu_paged_attention_bf16.h), the scores
+// from the unscaled bf16 queries (qb_), scaled after. Included inside cpu_paged_attention.cpp's
+// anonymous namespace, after cpu_paged_attention_simd.h, _rows.h and _bf16.h.
 #pragma once
 
-template <typename T, int FixedDim>  // FixedDim: head_dim known at compile time, or 0
+// FixedDim: head_dim known at compile time, or 0. Dot: the vdpbf16ps units (T = bf16 only).
+template <typename T, int FixedDim, bool Dot = false>
 class Tile {
+    static_assert(!Dot || (kHasBf16Dot && std::is_same_v<T, bf16>));
+
 public:
     explicit Tile(const Params& p)
         : p_(p), dim_(FixedDim ? FixedDim : p.head_dim), group_(p.num_heads / p.num_kv_heads),
@@ -31,6 +36,7 @@ public:
         rows_ = (j1 - j0) * group_;
         first_limit_ = context + j0 + 1;  // keys row m may see: [0, first_limit_ + m / group_)
         state_.reset(rows_, dim());
+        if constexpr (Dot) qb_.resize(static_cast<size_t>(rows_) * dim());
         load_queries(start + j0, kv_head);
         const int kv_end = context + j1;
         // With a window, row m sees keys from first_limit_ + m / group_ - window on.
@@ -67,6 +73,8 @@ private:
                            + static_cast<int64_t>(kv_head * group_ + m % group_) * dim();
             float* dst = state_.q.data() + static_cast<size_t>(m) * dim();
             for (int d = 0; d < dim(); ++d) dst[d] = to_float(src[d]) * p_.scale;
+            if constexpr (Dot) std::memcpy(qb_.data() + static_cast<size_t>(m) * dim(), src,
+                                           dim() * sizeof(T));
         }
     }
 
@@ -108,15 +116,39 @@ private:
         if (rows_ > kDirectRows) {
             group_scores<R>(q, dim(), kt_.data(), s);
         } else {
-            for (int r = 0; r < R; ++r)
-                for (int j = 0; j < NK; ++j)
-                    s[r][j] = key_dots(q + r * dim(), k_cache_, off + j * W, n - j * W, dim());
+            direct_scores<R>(q, m0, off, n, s);
         }
         float alpha[R];
         for (int r = 0; r < R; ++r)
             alpha[r] = state_.update(m0 + r, s[r], hidden(m0 + r, t0, n), vis[r]);
+#if defined(__AVX512BF16__)
+        if constexpr (Dot) {
+            accumulate_bf16<R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
+                               state_.acc_rows(m0), state_.acc_stride);
+            return;
+        }
+#endif
         accumulate<T, R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
                          state_.acc_rows(m0), state_.acc_stride);
+    }
+
+    // Scores of rows [m0, m0 + R) straight from the cache's K rows: the prescaled float32
+    // queries q, or (Dot) the bf16 ones, scaled after the sum.
+    template <int R>
+    void direct_scores(const float* q, [[maybe_unused]] int m0, const int64_t* off, int n, Vec (&s)[R][NK]) {
+#if defined(__AVX512BF16__)
+        if constexpr (Dot) {
+            for (int r = 0; r < R; ++r)
+                for (int j = 0; j < NK; ++j)
+                    s[r][j] = key_dots_bf16(qb_.data() + static_cast<size_t>(m0 + r) * dim(),
+                                            k_cache_, off + j * W, n - j * W, dim())
+                              * p_.scale;
+            return;
+        }
+#endif
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < NK; ++j)
+                s[r][j] = key_dots(q + r * dim(), k_cache_, off + j * W, n - j * W, dim());
     }
 
     void store(int64_t token, int kv_head) const {
@@ -136,6 +168,7 @@ private:
     const T* const k_cache_;
     const T* const v_cache_;
     std::vector<float> kt_;  // [head_dim][KC]: the chunk's keys, transposed, zeros past n
+    std::vector<T> qb_;      // Dot: [rows][head_dim] the queries as stored (unscaled)
     SoftmaxState state_;
     int rows_ = 0, first_limit_ = 0;
 };
