@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from a8_utils import activations, detected_isa, isas, load_ops
 
 from worker.native import build as native_build
 from worker.native import gguf_a8, gguf_ops
@@ -35,36 +36,9 @@ SHAPES = [(1, 37, 3), (2, 5, 1), (4, 64, 2), (5, 33, 18), (9, 7, 4), (64, 19, 6)
 
 @pytest.fixture(scope="module")
 def ops() -> gguf_ops.GgufOps:
-    try:
-        ops = gguf_ops.load()
-    except native_build.CompilerUnavailable as e:
-        pytest.skip(f"no C++ compiler: {e}")
+    ops = load_ops()
     yield ops
-    _detected(ops)
-
-
-def _detected(ops: gguf_ops.GgufOps) -> str:
-    """The best variant this build and CPU have (set_a8_isa fails above it)."""
-    for name in reversed(gguf_ops.A8_ISAS):
-        try:
-            ops.set_a8_isa(name)
-            return name
-        except ValueError:
-            continue
-    raise AssertionError("no variant at all")
-
-
-def _isas(ops: gguf_ops.GgufOps) -> list[str]:
-    best = _detected(ops)
-    return list(gguf_ops.A8_ISAS[:gguf_ops.A8_ISAS.index(best) + 1])
-
-
-def _x(m: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # Heavy-tailed rows with an outlier channel, as activations have.
-    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-    x[:, 7 % k] *= 20
-    return x
+    detected_isa(ops)
 
 
 def _weights(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -82,7 +56,7 @@ def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qt
 
 
 def test_activation_quantization_is_the_references_bit_for_bit(ops):
-    x = _x(6, 32 * 9, seed=1)
+    x = activations(6, 32 * 9, seed=1)
     x[0, :32] = 0.0                                  # a zero block: d = 0, q = 0
     x[1, :32] = torch.arange(32) - 15.5              # ties after scaling
     x[2, 32:64] = torch.full((32,), -3.0)            # every element at -amax
@@ -98,21 +72,21 @@ def test_activation_quantization_is_the_references_bit_for_bit(ops):
 @pytest.mark.parametrize("qtype", gguf_ops.A8_TYPES)
 def test_products_match_the_reference_on_every_variant(ops, qtype):
     try:
-        for isa in _isas(ops):
+        for isa in isas(ops):
             ops.set_a8_isa(isa)
             for i, (m, n, blocks) in enumerate(SHAPES):
                 k = 32 * blocks
-                x, w = _x(m, k, seed=i), _weights(qtype, n, k, seed=i)
+                x, w = activations(m, k, seed=i), _weights(qtype, n, k, seed=i)
                 y = ops.matmul(x, w, qtype, n, k, a8=True)
                 assert_within_rounding(y, x, w, qtype, n, k)
     finally:
-        _detected(ops)
+        detected_isa(ops)
 
 
 @pytest.mark.parametrize("qtype", gguf_ops.A8_TYPES)
 def test_within_the_activation_rounding_of_the_exact_path(ops, qtype):
     m, n, k = 12, 40, 32 * 8
-    x, w = _x(m, k, seed=3), _weights(qtype, n, k, seed=3)
+    x, w = activations(m, k, seed=3), _weights(qtype, n, k, seed=3)
     exact = ops.matmul(x, w, qtype, n, k).double()
     y = ops.matmul(x, w, qtype, n, k, a8=True).double()
     _, d, _ = gguf_a8.quantize_reference(x)
@@ -133,7 +107,7 @@ def test_team_steps_threads_and_accumulate(ops):
     code = gguf_ops.gguf_type("Q4_1").code | gguf_ops.A8_FLAG
     before = torch.get_num_threads()
     for m in (1, 7, 40):
-        x = _x(m, k, seed=m)
+        x = activations(m, k, seed=m)
         torch.set_num_threads(1)
         one = ops.matmul(x, w, "Q4_1", n, k, a8=True)
         torch.set_num_threads(2)
@@ -150,29 +124,29 @@ def test_team_steps_threads_and_accumulate(ops):
 
 def test_matrix_binds_the_a8_code_and_refuses_types_without_a_kernel(ops):
     w = _weights("Q8_0", 8, 64, seed=5)
-    x = _x(3, 64, seed=5)
+    x = activations(3, 64, seed=5)
     matrix = GgufMatrix(w, "Q8_0", 8, 64, a8=True)
     assert matrix.code == 8 | gguf_ops.A8_FLAG
     assert torch.equal(matrix(x), ops.matmul(x, w, "Q8_0", 8, 64, a8=True))
     with pytest.raises(ValueError, match="no 8-bit-activation kernel for Q4_K"):
         GgufMatrix(_weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256, a8=True)
     with pytest.raises(RuntimeError, match="status 2"):
-        ops.matmul(_x(1, 256, seed=5), _weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256,
+        ops.matmul(activations(1, 256, seed=5), _weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256,
                    a8=True)
     assert gguf_a8.supported("Q4_1") and not gguf_a8.supported("Q6_K")
 
 
 def test_fallback_without_the_library_is_the_reference(monkeypatch):
     monkeypatch.setattr(gguf_ops, "native", lambda: None)
-    x, w = _x(3, 96, seed=6), _weights("Q4_0", 5, 96, seed=6)
+    x, w = activations(3, 96, seed=6), _weights("Q4_0", 5, 96, seed=6)
     y = gguf_ops.matmul(x, w, "Q4_0", 5, 96, a8=True)
     ref = gguf_a8.matmul_reference(x, w, "Q4_0", 5, 96)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("march,isas", [("x86-64-v3", ["avx2", "scalar"]),
+@pytest.mark.parametrize("march,variants", [("x86-64-v3", ["avx2", "scalar"]),
                                         ("x86-64", ["scalar"])])
-def test_portable_builds(march, isas):
+def test_portable_builds(march, variants):
     """The AVX2-only build (what an AVX2 host without VNNI compiles) and the baseline one."""
     if march == "x86-64-v3" and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         pytest.skip("this CPU has no AVX2")
@@ -180,16 +154,16 @@ def test_portable_builds(march, isas):
         ops = gguf_ops.load(march)
     except native_build.CompilerUnavailable as e:
         pytest.skip(f"no C++ compiler: {e}")
-    assert ops.a8_isa == isas[0]
+    assert ops.a8_isa == variants[0]
     with pytest.raises(ValueError):
         ops.set_a8_isa("vnni")
-    for isa in isas:
+    for isa in variants:
         ops.set_a8_isa(isa)
         for qtype in gguf_ops.A8_TYPES:
-            x, w = _x(5, 32 * 6, seed=7), _weights(qtype, 9, 32 * 6, seed=7)
+            x, w = activations(5, 32 * 6, seed=7), _weights(qtype, 9, 32 * 6, seed=7)
             assert_within_rounding(ops.matmul(x, w, qtype, 9, 192, a8=True), x, w, qtype, 9,
                                    192)
-    ops.set_a8_isa(isas[0])
+    ops.set_a8_isa(variants[0])
 
 
 def test_environment_lowers_the_variant():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from a8_utils import activations, detected_isa, isas, load_ops
 
 from worker.layers.quantization.int8 import quantize_rows
 from worker.layers.quantization.w8a8 import W8A8Matrix
@@ -29,34 +30,9 @@ I8 = gguf_ops.W8A8_TYPE
 
 @pytest.fixture(scope="module")
 def ops() -> gguf_ops.GgufOps:
-    try:
-        ops = gguf_ops.load()
-    except native_build.CompilerUnavailable as e:
-        pytest.skip(f"no C++ compiler: {e}")
+    ops = load_ops()
     yield ops
-    _detected(ops)
-
-
-def _detected(ops: gguf_ops.GgufOps) -> str:
-    for name in reversed(gguf_ops.A8_ISAS):
-        try:
-            ops.set_a8_isa(name)
-            return name
-        except ValueError:
-            continue
-    raise AssertionError("no variant at all")
-
-
-def _isas(ops: gguf_ops.GgufOps) -> list[str]:
-    best = _detected(ops)
-    return list(gguf_ops.A8_ISAS[:gguf_ops.A8_ISAS.index(best) + 1])
-
-
-def _x(m: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-    x[:, 7 % k] *= 20  # an outlier channel, as activations have
-    return x
+    detected_isa(ops)
 
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +55,7 @@ def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor,
 
 
 def test_token_quantization_is_the_references_bit_for_bit(ops):
-    x = _x(9, 96, seed=1)
+    x = activations(9, 96, seed=1)
     x[1] = 0.0                                            # all-zero row: scale 0, q 0
     x[2, :] = torch.arange(96) - 47.5                     # scale 1: every value a .5 tie
     x[2, 0] = 127.0
@@ -98,14 +74,14 @@ def test_token_quantization_is_the_references_bit_for_bit(ops):
 def test_products_match_the_reference_on_every_variant(ops, m):
     results = []
     for n, k in ((37, 96), (13, 576), (1, 32)):
-        x = _x(m, k, seed=m + n)
+        x = activations(m, k, seed=m + n)
         q, scale = _weights(n, k, seed=n)
-        for isa in _isas(ops):
+        for isa in isas(ops):
             ops.set_a8_isa(isa)
             y = _product(ops, x, q, scale)
             assert_within_rounding(y, x, q, scale)
             results.append((isa, n, y))
-    _detected(ops)
+    detected_isa(ops)
     # Exact integer sums, the same float steps: every variant gives the same bits.
     for isa, n, y in results:
         same = next(r for i, nn, r in results if nn == n)
@@ -123,12 +99,12 @@ def test_extreme_values_do_not_saturate(ops):
         q[:, 1::2] = -127
         q[1::2] *= -1
         scale = torch.ones(n)
-        for isa in _isas(ops):
+        for isa in isas(ops):
             ops.set_a8_isa(isa)
             y = _product(ops, x, q, scale)
             expected = torch.tensor([1.0, -1.0] * 5)[:n] * (127 * 127 * k) * (3.0 / 127)
             assert torch.allclose(y, expected.expand(m, n), rtol=4 * U, atol=0), isa
-    _detected(ops)
+    detected_isa(ops)
 
 
 def test_team_steps_threads_and_accumulate(ops):
@@ -138,7 +114,7 @@ def test_team_steps_threads_and_accumulate(ops):
     code = gguf_ops.gguf_type(I8).code | gguf_ops.A8_FLAG
     before = torch.get_num_threads()
     for m in (1, 7, 40):
-        x = _x(m, k, seed=m)
+        x = activations(m, k, seed=m)
         torch.set_num_threads(1)
         one = ops.matmul(x, w, I8, n, k, a8=True)
         torch.set_num_threads(2)
@@ -155,7 +131,7 @@ def test_team_steps_threads_and_accumulate(ops):
 
 def test_matrix_binding_and_limits(ops):
     q, scale = _weights(8, 64, seed=5)
-    x = _x(3, 64, seed=5)
+    x = activations(3, 64, seed=5)
     matrix = W8A8Matrix(q, scale)
     (segment, start, stop), = matrix.native_weights().segments
     assert segment.code == gguf_ops.gguf_type(I8).code | gguf_ops.A8_FLAG and (start, stop) == (0, 8)
@@ -164,7 +140,7 @@ def test_matrix_binding_and_limits(ops):
     q48, s48 = _weights(8, 48, seed=5)  # K not whole blocks of 32: the reference
     odd = W8A8Matrix(q48, s48)
     assert odd.native_weights() is None
-    x48 = _x(3, 48, seed=5)
+    x48 = activations(3, 48, seed=5)
     assert torch.equal(odd(x48), w8a8.matmul_reference(x48, q48, s48).float())
     big = torch.zeros(1, 131072 + 32, dtype=torch.uint8)  # int32 sums could overflow
     with pytest.raises(RuntimeError, match="status 1"):
@@ -173,7 +149,7 @@ def test_matrix_binding_and_limits(ops):
 
 def test_fallback_without_the_library_is_the_reference(monkeypatch):
     monkeypatch.setattr(gguf_ops, "native", lambda: None)
-    x = _x(3, 96, seed=6)
+    x = activations(3, 96, seed=6)
     q, scale = _weights(5, 96, seed=6)
     ref = w8a8.matmul_reference(x, q, scale)
     for y in (w8a8.matmul(x, q, scale), W8A8Matrix(q, scale)(x),
@@ -181,9 +157,9 @@ def test_fallback_without_the_library_is_the_reference(monkeypatch):
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("march,isas", [("x86-64-v3", ["avx2", "scalar"]),
+@pytest.mark.parametrize("march,variants", [("x86-64-v3", ["avx2", "scalar"]),
                                         ("x86-64", ["scalar"])])
-def test_portable_builds(march, isas):
+def test_portable_builds(march, variants):
     """The AVX2-only build (what an AVX2 host without VNNI compiles) and the baseline one."""
     if march == "x86-64-v3" and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         pytest.skip("this CPU has no AVX2")
@@ -191,14 +167,14 @@ def test_portable_builds(march, isas):
         ops = gguf_ops.load(march)
     except native_build.CompilerUnavailable as e:
         pytest.skip(f"no C++ compiler: {e}")
-    assert ops.a8_isa == isas[0]
-    for isa in isas:
+    assert ops.a8_isa == variants[0]
+    for isa in variants:
         ops.set_a8_isa(isa)
         for m in ROWS:
-            x = _x(m, 192, seed=7 + m)
+            x = activations(m, 192, seed=7 + m)
             q, scale = _weights(9, 192, seed=7)
             assert_within_rounding(_product(ops, x, q, scale), x, q, scale)
-        qt, st = ops.quantize_w8a8(_x(4, 192, seed=8))
-        qr, sr = w8a8.quantize_tokens_reference(_x(4, 192, seed=8))
+        qt, st = ops.quantize_w8a8(activations(4, 192, seed=8))
+        qr, sr = w8a8.quantize_tokens_reference(activations(4, 192, seed=8))
         assert torch.equal(qt, qr) and torch.equal(st, sr)
-    ops.set_a8_isa(isas[0])
+    ops.set_a8_isa(variants[0])

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from worker.layers.quantization.base import (
-    EmbeddingMethodBase,
     LinearMethodBase,
     NativeWeights,
 )
@@ -28,7 +27,6 @@ from worker.layers.quantization.int8 import (
     quantize_rows,
 )
 from worker.layers.quantization.unquantized import (
-    UnquantizedEmbeddingMethod,
     UnquantizedLMHeadMethod,
 )
 from worker.native import gguf_ops
@@ -81,9 +79,6 @@ class W8A8Config(Int8Config):
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return W8A8LinearMethod()
-
-    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase:
-        return UnquantizedEmbeddingMethod()
 
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return UnquantizedLMHeadMethod()

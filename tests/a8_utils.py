@@ -1,0 +1,42 @@
+"""What the 8-bit-activation kernel tests share (tests/test_gguf_a8_kernels.py,
+tests/test_w8a8_kernels.py): the library, its ISA variants, heavy-tailed activations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.native import build as native_build
+from worker.native import gguf_ops
+
+
+def load_ops() -> gguf_ops.GgufOps:
+    """The GGUF library, or a skip where there is no compiler."""
+    try:
+        return gguf_ops.load()
+    except native_build.CompilerUnavailable as e:
+        pytest.skip(f"no C++ compiler: {e}")
+
+
+def detected_isa(ops: gguf_ops.GgufOps) -> str:
+    """The best variant this build and CPU have (set_a8_isa fails above it); left selected."""
+    for name in reversed(gguf_ops.A8_ISAS):
+        try:
+            ops.set_a8_isa(name)
+            return name
+        except ValueError:
+            continue
+    raise AssertionError("no variant at all")
+
+
+def isas(ops: gguf_ops.GgufOps) -> list[str]:
+    """Every variant this build and CPU have, from the lowest (scalar) to the best."""
+    best = detected_isa(ops)
+    return list(gguf_ops.A8_ISAS[:gguf_ops.A8_ISAS.index(best) + 1])
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """[m, k] heavy-tailed rows with an outlier channel, as activations have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, 7 % k] *= 20
+    return x
