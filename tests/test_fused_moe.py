@@ -97,6 +97,35 @@ def test_accumulate_adds_and_threads_do_not_change_bits():
         assert torch.equal(experts(x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), step[t:t + 1])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decode_units_every_row_count(threads):
+    """bf16 experts of 1 to 8 rows each (every decode tile's row count; with AVX-512 the split
+    float rows of x and of the SiLU product), K of several 32-element lines, at 1 and 2
+    threads: the reference's values, and the same bits whatever the thread count."""
+    g = torch.Generator().manual_seed(3)
+    hidden, inter, experts_n = 128, 160, 8
+    w13 = (torch.randn(experts_n, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(experts_n, hidden, inter, generator=g) * 0.1).bfloat16()
+    experts = fused_moe.bind_stacked(w13, w2, hidden)
+    # expert e on e + 1 rows (36 in all), 9 tokens x 4 choices: ids[t, j] = order[9 j + t],
+    # so a token's choices are 9 apart in `order` and name 4 different experts
+    order = [e for e in range(experts_n) for _ in range(e + 1)]
+    ids = torch.tensor(order, dtype=torch.int32).view(4, 9).T.contiguous()
+    weights = torch.rand(9, 4, generator=g)
+    x = torch.randn(9, hidden, generator=g)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours = experts(x, weights, ids)
+        torch.set_num_threads(3 - threads)
+        other = experts(x, weights, ids)
+    finally:
+        torch.set_num_threads(previous)
+    ref = fused_moe.experts_reference(x, weights, ids, experts)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2.0 ** -8 * ref.abs().max().item())
+    assert torch.equal(ours, other)
+
+
 def test_bad_expert_ids_are_refused():
     experts = _dense_experts(torch.float32)
     x = torch.randn(2, H)

@@ -17,8 +17,9 @@
 // take bfloat16 inputs, as Hugging Face's and vLLM's bf16 experts do: x (for bf16 gate/up)
 // and the SiLU product (for a bf16 down) are rounded to bf16 (nearest even) before their
 // products, which are then exact in float32, so only the summation order is the kernel's.
-// With AVX512-BF16 the decode units multiply those pairs with vdpbf16ps (no widening, half
-// the instructions); elsewhere the same values go through the widening tiles.
+// With AVX-512 the decode units split each bf16 weight line into its even and odd elements as
+// floats and multiply them with FMAs against x rows split alike (bf16_group_dots); elsewhere
+// the same values go through the widening tiles.
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
@@ -133,16 +134,11 @@ struct Scratch {
     float* gu;   // [P, 2 * inter]: gate | up (likewise)
     float* act;  // [P, inter]
     float* ys;   // [P, hidden]: down's output
-    bf16* xb;    // [tokens, hidden]: x in bf16 for vdpbf16ps (bf16 gate/up), else null
-    bf16* actb;  // [P, inter]: act in bf16 for vdpbf16ps (bf16 down), else null
+    float* xb;    // [tokens, hidden]: x as split rows (bf16 gate/up, BF16_SPLIT), else null
+    float* actb;  // [P, inter]: act as split rows (bf16 down, BF16_SPLIT), else null
 };
 
 constexpr int64_t BF16_CODE = 30;  // GGML's code of bfloat16 (dense_blocks.h)
-#if defined(__AVX512BF16__)
-constexpr bool BF16_DOT = true;
-#else
-constexpr bool BF16_DOT = false;
-#endif
 
 inline float round_bf16(float v) { return to_float(from_float<bf16>(v)); }
 
@@ -225,15 +221,28 @@ void dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
     });
 }
 
-#if defined(__AVX512BF16__)
+// bf16 rows as float32 pairs: a 32-bit lane of a vector of 32 bf16 holds elements 2j (low
+// half) and 2j + 1 (high half); `lane << 16` is element 2j as a float, `lane & 0xFFFF0000`
+// element 2j + 1. x rows for these tiles are stored split to match ("split rows"): per 32
+// elements, the 16 even ones as floats, then the 16 odd ones (split_index).
+inline int64_t split_index(int64_t i) { return (i & ~int64_t{31}) + (i & 1) * 16 + (i & 31) / 2; }
+
+#if defined(__AVX512F__)
+constexpr bool BF16_SPLIT = true;
+typedef uint32_t Lanes32 __attribute__((vector_size(64)));
 // out[m * DOT_GROUP + (r - n0)] = x[m] · row r of bf16 matrix e, for m < R, r in [n0, n1):
-// vdpbf16ps on bf16 pairs (each 64-byte step of a row is one cache line), float32 sums.
+// each 64-byte step of a weight row (one cache line, 32 bf16) split into its even and odd
+// elements as floats (two integer ops, no shuffle) and multiplied with the split x rows by
+// FMAs. The products are exact in float32, as with vdpbf16ps, which this kernel used before:
+// on the Xeon it was measured on, FMAs issue two a cycle and vdpbf16ps one in ~1.7, so at
+// ~4 rows an expert (32 tokens) the vdpbf16ps tiles were bound by the multiplier, not memory.
 template <int R>
 void bf16_group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
-                     const bf16* const* x, float* out) {
+                     const float* const* x, float* out) {
     constexpr int NR = dot_tile_rows(R);
     const auto* base = static_cast<const uint8_t*>(w.w) + e * w.expert_stride;
     const int64_t ahead = PREFETCH_ROWS * w.row_stride;
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int64_t r0 = n0; r0 < n1; r0 += NR) {
         const int valid = static_cast<int>(std::min<int64_t>(NR, n1 - r0));
         const uint8_t* rows[NR];
@@ -243,18 +252,23 @@ void bf16_group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, 
 #pragma GCC unroll 16
         for (int i = 0; i < R * NR; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t i = 0; i < k; i += 32) {
-            __m512bh wv[NR];
+            __m512 even[NR], odd[NR];
 #pragma GCC unroll 8
             for (int r = 0; r < NR; ++r) {
                 __builtin_prefetch(rows[r] + 2 * i + ahead);
-                wv[r] = (__m512bh)_mm512_loadu_si512(rows[r] + 2 * i);
+                const __m512i v = _mm512_loadu_si512(rows[r] + 2 * i);
+                // a shift by vector extension: GCC 12's _mm512_slli_epi32 trips
+                // -Wmaybe-uninitialized
+                even[r] = (__m512)((Lanes32)v << 16);
+                odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
             }
 #pragma GCC unroll 8
             for (int m = 0; m < R; ++m) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[m] + i);
+                const __m512 xe = _mm512_loadu_ps(x[m] + i), xo = _mm512_loadu_ps(x[m] + i + 16);
 #pragma GCC unroll 8
                 for (int r = 0; r < NR; ++r)
-                    acc[m * NR + r] = _mm512_dpbf16_ps(acc[m * NR + r], xv, wv[r]);
+                    acc[m * NR + r] = _mm512_fmadd_ps(xo, odd[r],
+                                                      _mm512_fmadd_ps(xe, even[r], acc[m * NR + r]));
             }
         }
         Vec v[R * NR];
@@ -266,12 +280,14 @@ void bf16_group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, 
             for (int r = 0; r < valid; ++r) out[m * DOT_GROUP + r0 + r - n0] = tile[m * NR + r];
     }
 }
+#else
+constexpr bool BF16_SPLIT = false;
 #endif
 
-// dots() for bf16 weights and bf16 x rows (only called where BF16_DOT).
+// dots() for bf16 weights and split x rows (only called where BF16_SPLIT).
 void bf16_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_t k,
-               const bf16* const* x, int rows, float* out) {
-#if defined(__AVX512BF16__)
+               const float* const* x, int rows, float* out) {
+#if defined(__AVX512F__)
     with_rows<DOT_ROWS>(rows, [&]<int R>() { bf16_group_dots<R>(w, e, n0, n1, k, x, out); });
 #else
     (void)w, (void)e, (void)n0, (void)n1, (void)k, (void)x, (void)rows, (void)out;
@@ -279,16 +295,17 @@ void bf16_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_
 }
 
 // act[p] = silu(g * gate scale) * (u * up scale) for one row's columns [n0, n0 + n),
-// rounded to bf16 for a bf16 down (and then also written to actb, if not null).
+// rounded to bf16 for a bf16 down (and then also written to actb as a split row, if not
+// null).
 void activate(const MoeLayer& l, int64_t e, int64_t n0, int64_t n, const float* g,
-              const float* u, float* act, bf16* actb) {
+              const float* u, float* act, float* actb) {
     const float* gs = l.gate.scale ? l.gate.scale + e * l.gate.scale_stride + n0 : nullptr;
     const float* us = l.up.scale ? l.up.scale + e * l.up.scale_stride + n0 : nullptr;
     const bool round = l.down.qtype == BF16_CODE;
     for (int64_t i = 0; i < n; ++i) {
         const float v = gs ? silu(g[i] * gs[i]) * (u[i] * us[i]) : silu(g[i]) * u[i];
         act[n0 + i] = round ? round_bf16(v) : v;
-        if (actb) actb[n0 + i] = from_float<bf16>(v);
+        if (actb) actb[split_index(n0 + i)] = act[n0 + i];
     }
 }
 
@@ -310,7 +327,7 @@ void small_gate_up(const Call& c) {
         for (int m = 0; m < rows; ++m) x[m] = c.x + c.plan.token[p0 + m] * c.x_stride;
         float g[DOT_ROWS * DOT_GROUP], v[DOT_ROWS * DOT_GROUP];
         if (c.s.xb) {
-            const bf16* xb[DOT_ROWS];
+            const float* xb[DOT_ROWS];
             for (int m = 0; m < rows; ++m) xb[m] = c.s.xb + c.plan.token[p0 + m] * l.hidden;
             bf16_dots(l.gate, e, n0, n1, l.hidden, xb, rows, g);
             bf16_dots(l.up, e, n0, n1, l.hidden, xb, rows, v);
@@ -356,7 +373,7 @@ void down(const Call& c) {
         const int rows = static_cast<int>(c.plan.start[e + 1] - p0);
         float y[DOT_ROWS * DOT_GROUP];
         if (c.s.actb) {
-            const bf16* x[DOT_ROWS];
+            const float* x[DOT_ROWS];
             for (int m = 0; m < rows; ++m) x[m] = c.s.actb + (p0 + m) * l.inter;
             bf16_dots(l.down, e, n0, n1, l.inter, x, rows, y);
         } else {
@@ -425,25 +442,24 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     const int64_t rows = tokens * topk;
     if (group_by_expert(ids, rows, topk, l->num_experts, plan)) return 1;
     thread_local std::vector<float> buffer;
-    thread_local std::vector<bf16> buffer16;
+    thread_local std::vector<float> split;  // the split rows (BF16_SPLIT)
     const int64_t h = l->hidden, inter = l->inter;
     const bool bf16_in = l->gate.qtype == BF16_CODE && l->up.qtype == BF16_CODE;
     const bool bf16_act = l->down.qtype == BF16_CODE;
     buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter) + (bf16_in ? tokens * h : 0)));
-    buffer16.resize(BF16_DOT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
+    split.resize(BF16_SPLIT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
     float* const xr = buffer.data() + rows * (2 * h + 3 * inter);  // x rounded (bf16_in)
     const Scratch s{buffer.data(), buffer.data() + rows * h, buffer.data() + rows * (h + 2 * inter),
                     buffer.data() + rows * (h + 3 * inter),
-                    BF16_DOT && bf16_in ? buffer16.data() : nullptr,
-                    BF16_DOT && bf16_act ? buffer16.data() + tokens * h : nullptr};
+                    BF16_SPLIT && bf16_in ? split.data() : nullptr,
+                    BF16_SPLIT && bf16_act ? split.data() + tokens * h : nullptr};
     const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;
-    if (bf16_in) {  // x rounded to bf16 once: as floats for the tiles, as bf16 for vdpbf16ps
+    if (bf16_in) {  // x rounded to bf16 once: as floats for the tiles, and as split rows
 #pragma omp parallel for num_threads(num_threads) if (parallel && tokens >= 64)
         for (int64_t t = 0; t < tokens; ++t)
             for (int64_t i = 0; i < h; ++i) {
-                const bf16 b = from_float<bf16>(x[t * x_stride + i]);
-                xr[t * h + i] = to_float(b);
-                if (s.xb) s.xb[t * h + i] = b;
+                xr[t * h + i] = round_bf16(x[t * x_stride + i]);
+                if (s.xb) s.xb[t * h + split_index(i)] = xr[t * h + i];
             }
         x = xr;
         x_stride = h;

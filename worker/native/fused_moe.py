@@ -8,9 +8,9 @@ rows (float32, bfloat16 or float16 [E, n, k]); a set's rows may be a view of a w
 (gate and up as the two halves of one [E, 2 * inter, ...] tensor). Activations, accumulation
 and results are float32, except that bfloat16 experts take bfloat16 inputs (as Hugging Face's
 and vLLM's do): x, for bf16 gate and up, and the SiLU product, for a bf16 down, are rounded to
-bf16 before their products (exact in float32; the kernel multiplies them with vdpbf16ps where
-the CPU has AVX512-BF16). `experts_reference` is the same computation in torch: the fallback
-where the library cannot be built, and the tests' reference.
+bf16 before their products (exact in float32; with AVX-512 the kernel splits bf16 weight lines
+into floats and multiplies them with FMAs). `experts_reference` is the same computation in
+torch: the fallback where the library cannot be built, and the tests' reference.
 """
 from __future__ import annotations
 

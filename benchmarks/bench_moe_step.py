@@ -1,0 +1,112 @@
+"""Where a decode step of bench_moe.py's model goes, in-process (a ModelRunner and a Scheduler,
+no engine processes), one stream and 32 streams: each part timed by a wrapper around it
+(about 0.3 us each), milliseconds per step over --steps steps after 10 warm-up steps.
+
+  moe block        the sparse block: router, routing (top-k), experts, glue
+  experts          routing (select_experts) and the kernel; kernel apply: the kernel call
+  qkv, o           the attention projections; attention: the paged-attention backend
+  lm_head          the final logits; sampler, schedule, update: the engine's step pieces
+
+Run: python benchmarks/bench_moe_step.py [--model-dir DIR] [--dtype bfloat16] [--streams 1 32]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+
+import torch
+from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+
+from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+from launch import SamplingParams
+from protocol import EngineConfig
+from worker.model_runner import ModelRunner
+
+SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def wrap(name: str, fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SECONDS[name] += time.perf_counter() - start
+    return timed
+
+
+class _Backend:
+    def __init__(self, backend, forward) -> None:
+        self.backend, self.forward = backend, forward
+
+
+def instrument(runner: ModelRunner) -> None:
+    model, wrapped = runner.model, set()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj.forward = wrap("qkv", attn.qkv_proj.forward)
+        attn.o_proj.forward = wrap("o", attn.o_proj.forward)
+        attn.backend = _Backend(attn.backend, wrap("attention", attn.backend.forward))
+        mlp.forward = wrap("moe block", mlp.forward)
+        mlp.gate.forward = wrap("router linear", mlp.gate.forward)
+        mlp.experts.forward = wrap("experts (routing + kernel)", mlp.experts.forward)
+        method = mlp.experts.quant_method
+        if id(method) not in wrapped:
+            method.apply = wrap("kernel apply", method.apply)
+            wrapped.add(id(method))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.add_and_norm = wrap("norms", norm.add_and_norm)
+    model.model.rotary_emb.forward = wrap("rope", model.model.rotary_emb.forward)
+    model.forward = wrap("forward", model.forward)
+    model.compute_logits = wrap("lm_head", model.compute_logits)
+    runner.sampler.sample = wrap("sampler", runner.sampler.sample)
+
+
+def measure(args, streams: int) -> None:
+    runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
+                                      max_num_seqs=streams, num_gpu_blocks_override=512,
+                                      num_threads=args.threads))
+    instrument(runner)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=4096,
+                                      max_model_len=1024),
+                      CacheConfig(16, runner.num_blocks, False))
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
+    for i in range(streams):
+        sched.add_request(Request(str(i), list(range(1 + i, 17 + i)), params, arrival_time=0.0))
+
+    def step() -> None:
+        so = wrap("schedule", sched.schedule)()
+        out = wrap("execute_model", runner.execute_model)(so)
+        wrap("update", sched.update_from_output)(so, out)
+
+    for _ in range(10):
+        step()
+    SECONDS.clear()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    total = time.perf_counter() - start
+    print(f"{streams} streams, {args.dtype}, {args.threads} threads: "
+          f"{total / args.steps * 1e3:.2f} ms a step", flush=True)
+    for name, seconds in SECONDS.most_common():
+        print(f"  {name:28s} {seconds / args.steps * 1e3:8.3f} ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", default="/work/peer/models/qwen3moe-1b-bench")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for streams in args.streams:
+        measure(args, streams)
+
+
+if __name__ == "__main__":
+    main()
