@@ -11,14 +11,12 @@ Run: python benchmarks/bench_decode_step.py [--rounds 3] [--threads 2]
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import os
 import statistics
 import time
 
 import torch
-from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+from _common import ROOT, Timers  # noqa: F401  (ROOT puts the repository on sys.path)
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import LLM, SamplingParams
@@ -40,19 +38,6 @@ STEPS = 100
 KV_BYTES = 1 << 28
 
 
-class Timers:
-    def __init__(self) -> None:
-        self.seconds: collections.Counter[str] = collections.Counter()
-
-    def wrap(self, name: str, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-        return timed
 
 
 def instrument(runner: ModelRunner, timers: Timers) -> None:

@@ -12,30 +12,18 @@ Run: python benchmarks/bench_moe_step.py [--model-dir DIR] [--dtype bfloat16] [-
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import time
 
 import torch
-from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+from _common import ROOT, Timers  # noqa: F401  (ROOT puts the repository on sys.path)
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import SamplingParams
 from protocol import EngineConfig
 from worker.model_runner import ModelRunner
 
-SECONDS: collections.Counter[str] = collections.Counter()
-
-
-def wrap(name: str, fn):
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            SECONDS[name] += time.perf_counter() - start
-    return timed
+TIMERS = Timers()
+wrap, SECONDS = TIMERS.wrap, TIMERS.seconds
 
 
 class _Backend:

@@ -40,3 +40,21 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
     x[:, 7 % k] *= 20
     return x
+
+
+# What an AVX2 host without VNNI compiles, and the baseline build: (march, its variants,
+# best first).
+PORTABLE_BUILDS = [("x86-64-v3", ["avx2", "scalar"]), ("x86-64", ["scalar"])]
+
+
+def portable_ops(march: str, variants: list[str]) -> gguf_ops.GgufOps:
+    """The library built for `march`, its best variant checked to be `variants[0]`; a skip
+    where this CPU can't run that build or there is no compiler."""
+    if march == "x86-64-v3" and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("this CPU has no AVX2")
+    try:
+        ops = gguf_ops.load(march)
+    except native_build.CompilerUnavailable as e:
+        pytest.skip(f"no C++ compiler: {e}")
+    assert ops.a8_isa == variants[0]
+    return ops
