@@ -47,7 +47,7 @@ def test_ranks_that_fill_the_mask_get_a_cpu_each():
     assert [(p.num_threads, p.bind, p.adaptive) for p in plans] == [(1, (4,), False),
                                                                     (1, (6,), False)]
     assert plans[1].describe() == ("1 thread (2 CPUs in the affinity mask / 2 ranks on this "
-                                   "host, a CPU each, pinned to CPUs 6)")
+                                   "host, a CPU each, pinned to CPU 6)")
     assert plan_threads(None, 2, 1, env={}, cpus={0, 1}, quota=1.0).bind is None
     assert plan_threads(None, 2, 1, env={BIND_ENV: "auto"}, cpus={0, 1},
                         read_quota=False).bind == (1,)

@@ -36,7 +36,8 @@ class ThreadPlan:
     adaptive: bool = False  # counted from the host (not set by the user): may follow its load
 
     def describe(self) -> str:
-        pinned = f", pinned to CPUs {format_cpu_list(self.bind)}" if self.bind else ""
+        cpus = "CPU" if self.bind and len(self.bind) == 1 else "CPUs"
+        pinned = f", pinned to {cpus} {format_cpu_list(self.bind)}" if self.bind else ""
         return f"{self.num_threads} thread{'s' * (self.num_threads != 1)} ({self.reason}{pinned})"
 
 
