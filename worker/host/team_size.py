@@ -25,11 +25,13 @@ faster), so the steps decide:
     the steps just before it at the current size (up to 32, of the same shape only: the
     same number of token rows). A smaller team must be 15 % faster to stay, and is judged
     against steps under the load that prompted it (a neighbour arrived: at least
-    `trial_steps` of them first); a larger one must be no slower, and starts at once (the
-    meter read the cores free: any steps at the current size are its reference, and with
-    none it stays). A shrinking trial ends at once when its steps' median is 1.5x the
-    reference's (a quiet host's false alarm costs two steps), a growing one at a step
-    twice as slow (a collapsing team);
+    `trial_steps` of them first, each tagged with the reading of the window it ran in; or,
+    when the same shrink won under that load before, the steps it won against: a neighbour
+    that comes back costs no second run of collapsing steps); a larger one must be no
+    slower, and starts at once (the meter read the cores free: any steps at the current
+    size are its reference, and with none it stays). A shrinking trial ends at once when
+    its steps' median is 1.5x the reference's (a quiet host's false alarm costs two
+    steps), a growing one at a step twice as slow (a collapsing team);
   * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
     unless the load moves by `RISE` CPUs from what it was then (a neighbour arrived or
     left); below the planned size, the planned size is tried again after `regrow_s`
@@ -201,7 +203,7 @@ class TeamSizer:
         else:  # against steps under the load that prompted it
             reference = [(r, t) for r, t, load in self._recent if abs(load - others) < RISE]
             if len(reference) < self.trial_steps:
-                reference += self._recall(wanted, others)
+                reference = self._recall(wanted, others) + reference
             if len(reference) < self.trial_steps:
                 return
         self.trial, self._trial_times, self._reference = wanted, [], reference
@@ -263,7 +265,8 @@ class TeamSizer:
     def _win(self, counted: list) -> None:
         grew = self.trial > self.current
         if not grew:
-            self._shrink = ((self.current, self.trial), self.load.others, self._reference)
+            self._shrink = ((self.current, self.trial), self.load.others,
+                            self._reference[-self._recent.maxlen:])  # the latest
         elif self._shrink is not None and abs(self._shrink[1] - self.load.others) < RISE:
             self._shrink = None  # the larger team is faster again under that load
         self.current, self.trial = self.trial, None
