@@ -345,3 +345,40 @@ def test_bfloat16_counts_amx_only_when_granted(monkeypatch):
         assert device._detect(torch.bfloat16) is True
     finally:
         device._detect.cache_clear()
+
+
+def _return_after_idling(host: Host, step_2: float) -> list[int]:
+    """The neighbour (back, or still there) beside a batch after a 3 s idle spell: a
+    prefill long enough for the meter's first window, then 12 decode steps; their sizes."""
+    host.others, host.step_s[2] = 1.0, 0.3
+    host.wait(3.0)
+    host.steps(1, rows=2048)  # at the planned size: the load is unknown
+    host.step_s[2] = step_2
+    host.steps(12)
+    return host.sizes[-12:]
+
+
+def _leave_while_idling(host: Host) -> None:
+    host.others, host.step_s[2] = 0.0, 0.008
+    host.wait(3.0)
+    host.steps(1, rows=2048)
+    host.steps(40)  # the team grows back at once; these steps fill its references
+    assert host.sizer.current == 2
+
+
+def test_a_neighbour_that_comes_back_is_not_paid_for_twice():
+    """One thread beat the collapsing pair under this load: when the neighbour comes back
+    after the team grew without it, the first reading of its load starts the trial at
+    once, against the pair's steps that lost last time; a shrink that later loses (or a
+    pair that wins again under that load) is forgotten."""
+    host = Host(1.0, {2: 0.05, 1: 0.015}, metered=True)
+    first = _return_after_idling(host, 0.05)
+    assert first[:4] == [2] * 4 and host.sizer.current == 1  # references first
+    _leave_while_idling(host)
+    assert _return_after_idling(host, 0.05) == [1] * 12 and host.sizer.current == 1
+    host.step_s[2] = 0.004  # the neighbour turned bursty: the pair wins again, same load
+    host.steps(2000)
+    assert host.sizer.current == 2
+    _leave_while_idling(host)
+    again = _return_after_idling(host, 0.05)
+    assert again[:4] == [2] * 4 and host.sizer.current == 1  # references first again

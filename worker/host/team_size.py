@@ -25,11 +25,13 @@ faster), so the steps decide:
     the steps just before it at the current size (up to 32, of the same shape only: the
     same number of token rows). A smaller team must be 15 % faster to stay, and is judged
     against steps under the load that prompted it (a neighbour arrived: at least
-    `trial_steps` of them first); a larger one must be no slower, and starts at once (the
-    meter read the cores free: any steps at the current size are its reference, and with
-    none it stays). A shrinking trial ends at once when its steps' median is 1.5x the
-    reference's (a quiet host's false alarm costs two steps), a growing one at a step
-    twice as slow (a collapsing team);
+    `trial_steps` of them first, each tagged with the reading of the window it ran in; or,
+    when the same shrink won under that load before, the steps it won against: a neighbour
+    that comes back costs no second run of collapsing steps); a larger one must be no
+    slower, and starts at once (the meter read the cores free: any steps at the current
+    size are its reference, and with none it stays). A shrinking trial ends at once when
+    its steps' median is 1.5x the reference's (a quiet host's false alarm costs two
+    steps), a growing one at a step twice as slow (a collapsing team);
   * a trial that loses is not repeated for `backoff_s` (doubling up to `max_backoff_s`)
     unless the load moves by `RISE` CPUs from what it was then (a neighbour arrived or
     left); below the planned size, the planned size is tried again after `regrow_s`
@@ -143,7 +145,8 @@ class TeamSizer:
     current: int = 0  # the team size in use (max_threads to start)
     trial: int | None = None  # the size on trial, if any
     # (rows, seconds, others) of the latest steps at the current size: a trial's reference,
-    # long enough that a neighbour's short burst does not make the current size look slow
+    # long enough that a neighbour's short burst does not make the current size look slow.
+    # `others` is the reading of the window the step ran in (None until it is read)
     _recent: deque = field(default_factory=lambda: deque(maxlen=32))
     _trial_times: list = field(default_factory=list)
     _reference: list = field(default_factory=list)  # (rows, seconds)
@@ -157,6 +160,8 @@ class TeamSizer:
     burst: bool = False  # this step runs at max_threads outside the current size
     _ended: float = float("inf")  # when the last step ended
     _stale: bool = False  # idled since the meter's last reading
+    # the last shrink that won: ((from size, to size), others then, its reference steps)
+    _shrink: tuple | None = None
 
     def __post_init__(self) -> None:
         self.current = self.current or self.max_threads
@@ -174,10 +179,12 @@ class TeamSizer:
         went quiet while the worker idled saves half its time."""
         now = self.clock()
         if now - self._ended > self.idle_s:
+            self._tag(self.load.others)  # the window they ran in is dropped unread
             self.load.restart()
             self._stale = True
         if self.trial is None and self.load.update(now):
             self._stale = False
+            self._tag(self.load.others)
             self._consider(now, self.load.others)
         self.burst = self._stale and self.trial is None and rows >= self.burst_rows
         return self.size
@@ -196,6 +203,8 @@ class TeamSizer:
         else:  # against steps under the load that prompted it
             reference = [(r, t) for r, t, load in self._recent if abs(load - others) < RISE]
             if len(reference) < self.trial_steps:
+                reference = self._recall(wanted, others) + reference
+            if len(reference) < self.trial_steps:
                 return
         self.trial, self._trial_times, self._reference = wanted, [], reference
 
@@ -205,7 +214,7 @@ class TeamSizer:
         if self.burst:
             return  # not at the current size: no one's reference
         if self.trial is None:
-            self._recent.append((rows, seconds, self.load.others))
+            self._recent.append((rows, seconds, None))
             return
         self._trial_times.append((rows, seconds))
         counted = self._trial_times[1:]  # the first step woke or parked a thread
@@ -234,8 +243,32 @@ class TeamSizer:
             return self._win(counted)
         return self._lose()
 
+    def _tag(self, others: float) -> None:
+        """Tag the steps since the meter's last sample (they ran in the window it just
+        read, or in one dropped) with `others`."""
+        for i in range(len(self._recent) - 1, -1, -1):
+            rows, seconds, load = self._recent[i]
+            if load is not None:
+                break
+            self._recent[i] = (rows, seconds, others)
+
+    def _recall(self, wanted: int, others: float) -> list:
+        """The reference a shrink from the current size to `wanted` won against under this
+        load, if one did: a neighbour that comes back is not paid for again with
+        `trial_steps` steps of a collapsing team."""
+        if self._shrink is None:
+            return []
+        sizes, load, reference = self._shrink
+        return list(reference) if sizes == (self.current, wanted) and \
+            abs(load - others) < RISE else []
+
     def _win(self, counted: list) -> None:
         grew = self.trial > self.current
+        if not grew:
+            self._shrink = ((self.current, self.trial), self.load.others,
+                            self._reference[-self._recent.maxlen:])  # the latest
+        elif self._shrink is not None and abs(self._shrink[1] - self.load.others) < RISE:
+            self._shrink = None  # the larger team is faster again under that load
         self.current, self.trial = self.trial, None
         self._recent.clear()
         self._recent.extend((r, t, self.load.others) for r, t in counted)
@@ -247,6 +280,8 @@ class TeamSizer:
 
     def _lose(self) -> None:
         now = self.clock()
+        if self.trial < self.current:
+            self._shrink = None  # what won before does not hold now
         if self.trial == self.max_threads and self.current < self.max_threads \
                 and team_size(len(self.load.cpus) - self.load.others,
                               self.max_threads) == self.current:  # a timed regrow
