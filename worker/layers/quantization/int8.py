@@ -46,11 +46,12 @@ class Int8Matrix:
     the I8 kernel where K is whole blocks of 32, else torch's `_weight_int8pack_mm`."""
 
     __slots__ = ("q", "scale", "_matrix")
+    a8 = False  # x multiplied as it is (True: quantized per token, W8A8Matrix)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.q, self.scale = q, scale
         n, k = q.shape
-        self._matrix = (GgufMatrix(q.view(torch.uint8), I8.code, n, k)
+        self._matrix = (GgufMatrix(q.view(torch.uint8), I8.code, n, k, a8=self.a8)
                         if k % I8.block_elems == 0 else None)
 
     def native_weights(self) -> NativeWeights | None:
@@ -62,8 +63,12 @@ class Int8Matrix:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32."""
         if self._matrix is None:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+            return self._unblocked(x)
         return self._matrix(x).mul_(self.scale)
+
+    def _unblocked(self, x: torch.Tensor) -> torch.Tensor:
+        """The product where K is not whole blocks of 32: torch's kernel."""
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 class Int8LinearMethod(LinearMethodBase):
     """Loads a float `weight` [out_per_rank, in_per_rank]; after loading, `weight` is int8
-    and `weight_scale` float32 [out_per_rank]."""
+    and `weight_scale` float32 [out_per_rank], bound as a `matrix`."""
+
+    matrix = Int8Matrix
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         layer.weight = parameter(torch.empty(out_per_rank, in_per_rank), ShardDims())
@@ -82,7 +89,7 @@ class Int8LinearMethod(LinearMethodBase):
         q, scale = quantize_rows(layer.weight)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = scale
-        layer.int8_matrix = Int8Matrix(q, scale)
+        layer.int8_matrix = self.matrix(q, scale)
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return torch.float32
