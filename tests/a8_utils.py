@@ -58,3 +58,25 @@ def portable_ops(march: str, variants: list[str]) -> gguf_ops.GgufOps:
         pytest.skip(f"no C++ compiler: {e}")
     assert ops.a8_isa == variants[0]
     return ops
+
+
+def check_threads_agree(ops: gguf_ops.GgufOps, w: torch.Tensor, qtype: str, n: int,
+                        k: int) -> None:
+    """num_threads = 0 (a step of the native layer loop's team) gives the bits of a call of
+    its own; 2 threads give the bits of 1 (each output is one tile's); accumulate adds."""
+    code = gguf_ops.gguf_type(qtype).code | gguf_ops.A8_FLAG
+    before = torch.get_num_threads()
+    for m in (1, 7, 40):
+        x = activations(m, k, seed=m)
+        torch.set_num_threads(1)
+        one = ops.matmul(x, w, qtype, n, k, a8=True)
+        torch.set_num_threads(2)
+        two = ops.matmul(x, w, qtype, n, k, a8=True)
+        torch.set_num_threads(before)
+        team = torch.empty(m, n)
+        assert ops._matmul(code, w.data_ptr(), w.stride(0), x.data_ptr(), k, team.data_ptr(),
+                           n, m, n, k, 0, 0) == 0
+        assert torch.equal(one, two) and torch.equal(one, team), m
+        acc = torch.ones(m, n)
+        ops.matmul(x, w, qtype, n, k, out=acc, accumulate=True, a8=True)
+        assert torch.equal(acc, one + 1)

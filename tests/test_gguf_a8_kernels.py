@@ -20,7 +20,15 @@ import sys
 
 import pytest
 import torch
-from a8_utils import PORTABLE_BUILDS, activations, detected_isa, isas, load_ops, portable_ops
+from a8_utils import (
+    PORTABLE_BUILDS,
+    activations,
+    check_threads_agree,
+    detected_isa,
+    isas,
+    load_ops,
+    portable_ops,
+)
 
 from worker.native import gguf_a8, gguf_ops
 from worker.native.gguf_matrix import GgufMatrix
@@ -103,22 +111,7 @@ def test_team_steps_threads_and_accumulate(ops):
     2 threads give the bits of 1 (each output is one tile's); accumulate adds."""
     n, k = 70, 576
     w = _weights("Q4_1", n, k, seed=4)
-    code = gguf_ops.gguf_type("Q4_1").code | gguf_ops.A8_FLAG
-    before = torch.get_num_threads()
-    for m in (1, 7, 40):
-        x = activations(m, k, seed=m)
-        torch.set_num_threads(1)
-        one = ops.matmul(x, w, "Q4_1", n, k, a8=True)
-        torch.set_num_threads(2)
-        two = ops.matmul(x, w, "Q4_1", n, k, a8=True)
-        torch.set_num_threads(before)
-        team = torch.empty(m, n)
-        assert ops._matmul(code, w.data_ptr(), w.stride(0), x.data_ptr(), k, team.data_ptr(),
-                           n, m, n, k, 0, 0) == 0
-        assert torch.equal(one, two) and torch.equal(one, team), m
-        acc = torch.ones(m, n)
-        ops.matmul(x, w, "Q4_1", n, k, out=acc, accumulate=True, a8=True)
-        assert torch.equal(acc, one + 1)
+    check_threads_agree(ops, w, "Q4_1", n, k)
 
 
 def test_matrix_binds_the_a8_code_and_refuses_types_without_a_kernel(ops):

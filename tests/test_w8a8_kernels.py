@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from a8_utils import PORTABLE_BUILDS, activations, detected_isa, isas, load_ops, portable_ops
+from a8_utils import (
+    PORTABLE_BUILDS,
+    activations,
+    check_threads_agree,
+    detected_isa,
+    isas,
+    load_ops,
+    portable_ops,
+)
 
 from worker.layers.quantization.int8 import quantize_rows
 from worker.layers.quantization.w8a8 import W8A8Matrix
@@ -110,22 +118,7 @@ def test_team_steps_threads_and_accumulate(ops):
     n, k = 70, 576
     q, scale = _weights(n, k, seed=4)
     w = q.view(torch.uint8)
-    code = gguf_ops.gguf_type(I8).code | gguf_ops.A8_FLAG
-    before = torch.get_num_threads()
-    for m in (1, 7, 40):
-        x = activations(m, k, seed=m)
-        torch.set_num_threads(1)
-        one = ops.matmul(x, w, I8, n, k, a8=True)
-        torch.set_num_threads(2)
-        two = ops.matmul(x, w, I8, n, k, a8=True)
-        torch.set_num_threads(before)
-        team = torch.empty(m, n)
-        assert ops._matmul(code, w.data_ptr(), w.stride(0), x.data_ptr(), k, team.data_ptr(),
-                           n, m, n, k, 0, 0) == 0
-        assert torch.equal(one, two) and torch.equal(one, team), m
-        acc = torch.ones(m, n)
-        ops.matmul(x, w, I8, n, k, out=acc, accumulate=True, a8=True)
-        assert torch.equal(acc, one + 1)
+    check_threads_agree(ops, w, I8, n, k)
 
 
 def test_matrix_binding_and_limits(ops):
