@@ -116,6 +116,26 @@ class ShmAllReduce:
                  for r in range(self.world)]
         return torch.cat([p.view(x.shape) for p in parts], dim=-1)  # copies before the next call
 
+    def native_sum(self) -> tuple[int, int, int, int, int, float]:
+        """(shm_all_reduce's address, the segment's base, slot bytes, rank, world, timeout_s):
+        what native code passes to call the sum itself (cpu_decoder.cpp's AllReduce). Its
+        sequence numbers are `next_seq`, `next_seq + 1`, ..., recorded with `advance`."""
+        address = ctypes.cast(self._kernel, ctypes.c_void_p).value
+        return address, self._base, SLOT_BYTES, self.rank, self.world, self.timeout_s
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq + 1
+
+    def advance(self, calls: int) -> None:
+        """Records `calls` collectives made by native code (sequence numbers from `next_seq`
+        on, in order, none skipped: the slots' reuse relies on it)."""
+        self._seq += calls
+
+    @staticmethod
+    def fits_bytes(nbytes: int) -> bool:
+        return nbytes <= SLOT_BYTES
+
     @staticmethod
     def _fits(x: torch.Tensor) -> bool:
         return x.is_cpu and x.is_contiguous() and x.numel() * x.element_size() <= SLOT_BYTES

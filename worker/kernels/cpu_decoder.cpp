@@ -34,6 +34,15 @@
 //   t [rows, max rank] is scratch (every adapter's rows at once). cpu_decoder_lora_delta
 //   applies one linear's deltas alone (the Python layer loop's), its tables then indexed by
 //   that loop's target index.
+//   AllReduce (Step.reduce, null at one rank): a tensor-parallel rank's o_proj and down_proj
+//   give partial sums; after each (and its LoRA deltas, before any output norm) pending
+//   [m, hidden] is summed in place across the ranks by the shm all-reduce
+//   (shm_all_reduce.cpp's entry point, called by one thread of the team), call c of the step
+//   (c = 2 i for layer i's o_proj, 2 i + 1 for its down_proj) with sequence number
+//   first_seq + c: the numbers the Python loop's RowParallelLinear would have used, so the
+//   sums are its bits and the ranks may even take different loops in a step. `calls` (out)
+//   counts the sums made (the caller's next sequence number is first_seq + calls, also when a
+//   kernel failed part way).
 #include <cstdint>
 
 namespace {
@@ -50,12 +59,17 @@ using AttentionFn = int (*)(int, const void*, int64_t, const void*, int64_t, con
                             int64_t, void*, void*, const int64_t*, int64_t, const int32_t*,
                             const int32_t*, const int32_t*, int64_t, const int32_t*, int64_t,
                             void*, int, int, int, int, float, int, int);
+// shm_all_reduce(base, slot_bytes, rank, world, seq, dtype, data, numel, timeout_s)
+using AllReduceFn = int (*)(void*, int64_t, int, int, uint64_t, int, void*, int64_t, double);
 
 constexpr int MAX_GROUPS = 8;
 
 constexpr int MAX_SEGMENTS = 4;
 constexpr int F32 = 0;   // cpu_dtypes.h's dtype code
 constexpr int TEAM = 0;  // num_threads: a step of the enclosing region
+// A failed all-reduce's status is this plus shm_all_reduce's (1: a peer did not answer in
+// time, 2/3: bad arguments); the kernels' own statuses are below it.
+constexpr int REDUCE_STATUS = 16;
 
 }  // namespace
 
@@ -98,12 +112,17 @@ struct LoRAStep {
     int64_t num_adapters; const LoRAFactors* const* tables; const int64_t* bounds;
     const int64_t* rows; float* t;
 };
+struct AllReduce {
+    AllReduceFn sum; void* base; int64_t slot_bytes; int64_t rank, world;
+    uint64_t first_seq; double timeout_s;
+    int64_t calls;  // out: the sums made
+};
 struct Step {
     int64_t m; const int64_t* positions;
     const int32_t* query_start_loc; const int32_t* seq_lens;
     int64_t num_groups; Group groups[MAX_GROUPS];
     float* residual; float* pending; float* h; float* qkv; float* attn; float* gate_up;
-    float* act; const LoRAStep* lora;
+    float* act; const LoRAStep* lora; AllReduce* reduce;
 };
 
 namespace {
@@ -217,6 +236,23 @@ int64_t lora_macs(const LoRAStep* lora, int64_t target, int64_t k, int64_t n) {
     return macs;
 }
 
+// pending [m, hidden] summed across the tensor-parallel ranks (call c of the step; nothing at
+// one rank). One thread calls the all-reduce; the single's barrier publishes the sum and its
+// status to the team (the preceding product ended in a barrier, so pending is complete).
+int reduce_pending(const Model& d, const Step& s, int64_t call) {
+    AllReduce* r = s.reduce;
+    if (!r) return 0;
+    int status = 0;
+#pragma omp single copyprivate(status)
+    {
+        status = r->sum(r->base, r->slot_bytes, static_cast<int>(r->rank),
+                        static_cast<int>(r->world), r->first_seq + static_cast<uint64_t>(call),
+                        F32, s.pending, s.m * d.hidden, r->timeout_s);
+        r->calls = call + 1;
+    }
+    return status ? REDUCE_STATUS + status : 0;
+}
+
 // residual += x (unless x is null), then h = RMSNorm(residual) · weight.
 int add_and_norm(const Kernels& f, const Model& d, const Step& s, const float* x,
                  const float* weight) {
@@ -271,6 +307,7 @@ int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& 
     if (!status) status = linear(f, l.o, s.attn, attn_width, s.pending, hidden, m);
     if (!status) lora_delta(s.lora, 4 * i + 1, s.attn, attn_width, s.pending, hidden,
                             attn_width, hidden);
+    if (!status) status = reduce_pending(d, s, 2 * i);
     if (!status && l.attn_out_norm) status = norm_in_place(f, d, s, s.pending, l.attn_out_norm);
     if (!status) status = add_and_norm(f, d, s, s.pending, l.post_norm);
     if (!status) status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
@@ -281,6 +318,7 @@ int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& 
                                                   inter, TEAM);
     if (!status) status = linear(f, l.down, s.act, inter, s.pending, hidden, m);
     if (!status) lora_delta(s.lora, 4 * i + 3, s.act, inter, s.pending, hidden, inter, hidden);
+    if (!status) status = reduce_pending(d, s, 2 * i + 1);
     if (!status && l.mlp_out_norm) status = norm_in_place(f, d, s, s.pending, l.mlp_out_norm);
     return status;
 }

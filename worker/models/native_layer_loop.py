@@ -5,18 +5,26 @@ the loop's bit for bit; the model falls back to the loop for anything it does no
 
 A model is taken when its decoder layers say what their norms are (`native_norms()`: Llama's
 two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
-(`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: tensor
-parallelism 1 on the CPU, float32 compute, the native attention backend with a float32
-cache, every linear layer with native weights (GGUF, int8), no biases, dense MLPs (a
-mixture-of-experts layer is not taken). Each layer attends through its own KV group (block
-table, slots, sliding window). Steps with LoRA adapter rows are taken too: the loop adds each
-adapter's delta after its projection (worker/lora/native.py; float32 sums in another order
-than torch's, so those steps equal the Python loop's up to rounding).
-DELTASERVE_NATIVE_LAYERS=0 turns it off.
+(`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: the CPU,
+float32 compute, the native attention backend with a float32 cache, every linear layer with
+native weights (GGUF, int8), no biases, dense MLPs (a mixture-of-experts layer is not taken).
+Each layer attends through its own KV group (block table, slots, sliding window).
+
+Tensor parallelism: a rank runs its own shards (its query and KV heads as the loader split
+them, 3 KV heads over 2 ranks being 2 + 1, its share of the MLP), and the loop sums o_proj's
+and down_proj's partial outputs through the shared-memory all-reduce from inside the native
+call, with the sequence numbers the Python loop would use, so the sums are its bits. Taken
+only where the ranks have that all-reduce (local CPU ranks; DELTASERVE_SHM_ALLREDUCE=0 keeps
+the Python loop). The embedding and the vocabulary-parallel LM head stay in Python.
+
+Steps with LoRA adapter rows are taken too: the loop adds each adapter's delta after its
+projection (worker/lora/native.py; float32 sums in another order than torch's, so those steps
+equal the Python loop's up to rounding). DELTASERVE_NATIVE_LAYERS=0 turns it off.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 
@@ -26,6 +34,8 @@ from torch import nn
 from worker.attention.cpu_backend import CpuAttentionBackend, cpu_plan
 from worker.attention.kv_cache_spec import KVCache
 from worker.attention.metadata import AttentionMetadata
+from worker.distributed.shm_all_reduce import ShmAllReduce
+from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.layernorm import RMSNorm
 from worker.layers.linear import LinearBase
 from worker.native import cpu_decoder
@@ -33,6 +43,7 @@ from worker.native.cpu_decoder import (
     MAX_GROUPS,
     MAX_ROWS,
     MAX_SEGMENTS,
+    AllReduce,
     Group,
     Layer,
     Linear,
@@ -42,6 +53,8 @@ from worker.native.cpu_decoder import (
 )
 
 ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
+REDUCE_STATUS = 16  # cpu_decoder.cpp's: a failed all-reduce's status is this + its own
+logger = logging.getLogger("deltaserve")
 
 
 def _linear(layer: LinearBase) -> Linear | None:
@@ -83,7 +96,8 @@ def _pointer(norm: RMSNorm | None) -> int | None:
 def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
     """A decoder layer's table entry, or None when it is not taken."""
     attn, mlp, norms = layer.self_attn, layer.mlp, layer.native_norms()
-    if (not hasattr(mlp, "gate_up_proj") or attn.o_proj.tp.world_size != 1
+    if (not hasattr(mlp, "gate_up_proj") or not attn.o_proj.reduce_results
+            or not mlp.down_proj.reduce_results
             or not isinstance(attn.backend, CpuAttentionBackend) or not _float_rows(rotary.cos)):
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -92,6 +106,16 @@ def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
     return Layer(norms.input.weight.data_ptr(), norms.pre_mlp.weight.data_ptr(), *linears,
                  None, None, _pointer(norms.q), _pointer(norms.k), _pointer(norms.attn_out),
                  _pointer(norms.mlp_out), rotary.cos.data_ptr(), rotary.sin.data_ptr(), 0)
+
+
+def _shm(tp: TensorParallel, hidden: int) -> ShmAllReduce | None | bool:
+    """The all-reduce a tensor-parallel rank's loop sums through (None: one rank, nothing to
+    sum; False: not taken, no shared-memory all-reduce or a step's sum would not fit it)."""
+    if tp.world_size == 1:
+        return None
+    if tp.shm is None or not tp.shm.fits_bytes(MAX_ROWS * hidden * 4):
+        return False
+    return tp.shm
 
 
 def _guards(model: nn.Module) -> list:
@@ -108,7 +132,8 @@ class NativeLayerLoop:
     """Bound to one model's weights (kept alive by the model) and, per KV cache, its layers'
     cache addresses. Scratch rows for `max_rows` tokens are allocated once."""
 
-    def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer]) -> None:
+    def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer],
+                 shm: ShmAllReduce | None = None) -> None:
         attn, gate_up = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
         rotary, norm = model.rotary_of(0), model.layers[0].input_layernorm
         self._native, self.max_rows, self._num_layers = native, MAX_ROWS, len(layers)
@@ -129,6 +154,11 @@ class NativeLayerLoop:
         # add (`native_step()`: 0 nothing, an address, None: not taken).
         self._guards = list({id(g): g for g in _guards(model)}.values())
         self._lora = 0  # this step's LoRAStep address (set by takes)
+        # Tensor parallel: the ranks' all-reduce, and its arguments (first_seq set per step).
+        self._shm = shm
+        self._reduce = None if shm is None else AllReduce(*shm.native_sum()[:5], 0,
+                                                          shm.timeout_s, 0)
+        self.steps = 0  # steps run (the first one is logged: which loop a rank runs)
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeLayerLoop | None:
@@ -143,9 +173,11 @@ class NativeLayerLoop:
         eps = {norm.eps for layer in model.layers for norm in layer.native_norms().all()}
         layers = [_layer(layer, model.rotary_of(i)) for i, layer in enumerate(model.layers)]
         scales = {layer.self_attn.scale for layer in model.layers}
-        if len(eps) != 1 or len(scales) != 1 or None in layers:
+        shm = _shm(model.layers[0].self_attn.o_proj.tp, model.layers[0].input_layernorm.weight
+                   .shape[0])
+        if len(eps) != 1 or len(scales) != 1 or None in layers or shm is False:
             return None
-        return cls(native, model, layers)
+        return cls(native, model, layers, shm)
 
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
         if not 0 < num_tokens <= self.max_rows or not self._bind_caches(kv_caches):
@@ -202,12 +234,30 @@ class NativeLayerLoop:
                               g.sliding_window) for g, p in zip(groups, plans))),
                     residual.data_ptr(), self._pending.data_ptr(), s["h"].data_ptr(),
                     s["qkv"].data_ptr(), s["attn"].data_ptr(), s["gate_up"].data_ptr(),
-                    s["act"].data_ptr(), self._lora)
+                    s["act"].data_ptr(), self._lora,
+                    None if self._reduce is None else ctypes.addressof(self._reduce))
+        if self._reduce is not None:
+            self._reduce.first_seq, self._reduce.calls = self._shm.next_seq, 0
         status = self._native.forward(ctypes.byref(self._native.kernels),
                                       ctypes.byref(self._model), self._table, self._num_layers,
                                       ctypes.byref(step), torch.get_num_threads())
+        if self._reduce is not None:
+            self._shm.advance(self._reduce.calls)
+        self._count(m)
+        if status == REDUCE_STATUS + 1:
+            raise RuntimeError(f"cpu_decoder_forward: no tensor-parallel peer answer in "
+                               f"{self._reduce.timeout_s:.0f} s (rank {self._reduce.rank} of "
+                               f"{self._reduce.world})")
         if status == 2:
             raise IndexError("cpu_decoder_forward: a position is outside the rotary table")
         if status:
             raise RuntimeError(f"cpu_decoder_forward rejected its arguments (status {status})")
         return self._pending[:m]
+
+    def _count(self, m: int) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            where = "" if self._reduce is None else (
+                f", tensor-parallel rank {self._reduce.rank} of {self._reduce.world}")
+            logger.info("native layer loop: first step, %d token rows, %d layers%s", m,
+                        self._num_layers, where)

@@ -1,6 +1,6 @@
 """The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama or Gemma 3 model's layers
 over a few token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF and attention
-libraries inside one parallel region. The ctypes Structures here mirror the C++ structs field
+libraries inside one parallel region (and, at tensor parallel > 1, the shm all-reduce's). The ctypes Structures here mirror the C++ structs field
 by field.
 
 `load()` is the bound library, or None where one of the four libraries cannot be built here
@@ -74,11 +74,19 @@ class LoRAStep(ctypes.Structure):
                 ("t", _P)]
 
 
+class AllReduce(ctypes.Structure):
+    # sum: shm_all_reduce's address; calls (out): the sums the step made, sequence numbers
+    # first_seq, first_seq + 1, ...
+    _fields_ = [("sum", _P), ("base", _P), ("slot_bytes", _I64), ("rank", _I64),
+                ("world", _I64), ("first_seq", ctypes.c_uint64), ("timeout_s", ctypes.c_double),
+                ("calls", _I64)]
+
+
 class Step(ctypes.Structure):
     _fields_ = [("m", _I64), ("positions", _P), ("query_start_loc", _P), ("seq_lens", _P),
                 ("num_groups", _I64), ("groups", Group * MAX_GROUPS), ("residual", _P),
                 ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
-                ("act", _P), ("lora", _P)]
+                ("act", _P), ("lora", _P), ("reduce", _P)]
 
 
 @dataclass(frozen=True, slots=True)
