@@ -1,18 +1,29 @@
 """The native layer loop (worker/models/native_layer_loop.py) against the Python layer loop on
 the same runner: a few requests prefilled, decoded together, and a step mixing both, every
 hidden row and every written K/V slot equal bit for bit; GGUF (three
-types merged into q/k/v, K-quants) and weight-only int8. Models it cannot take keep the loop."""
+types merged into q/k/v, K-quants) and weight-only int8. Models it cannot take keep the loop.
+At tensor parallel 2 (two real rank processes over gloo and the shm all-reduce, 3 KV heads
+split 2 + 1) each rank's rows and K/V equal its Python loop's bit for bit; engines at TP=2 (a
+tiny GGUF model and SmolLM2) log that both ranks took it and give the Python loop's tokens and
+log-probabilities."""
 from __future__ import annotations
+
+import multiprocessing
+import os
 
 import gguf
 import pytest
 import torch
 from gguf_utils import write_gguf
-from model_utils import make_tiny_model
+from model_utils import fetched_model, make_tiny_model
 from quant_utils import runner
 
+from launch import LLM, SamplingParams
 from launch.model_cache.gguf_model import materialize_gguf
+from protocol import EngineConfig
 from worker.attention.metadata import AttentionMetadata
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.model_runner import ModelRunner
 from worker.models.native_layer_loop import NativeLayerLoop
 from worker.native import cpu_decoder
 
@@ -34,6 +45,34 @@ def gguf_dir(tmp_path_factory) -> str:
                          num_hidden_layers=3)
     write_gguf(hf, str(root / "tiny.gguf"), lambda name: TYPES.get(name.rsplit(".", 2)[-2]))
     return materialize_gguf(str(root / "tiny.gguf"), str(root / "dir"))
+
+
+# 32-element blocks only: a rank's o_proj input (its query heads, 4 or 2 of 6 x 32) must be
+# whole blocks. Three types merged into q/k/v, two into gate/up.
+TP_TYPES = {"q_proj": Q.Q4_0, "k_proj": Q.Q8_0, "v_proj": Q.Q5_1, "o_proj": Q.Q5_0,
+            "gate_proj": Q.Q4_1, "up_proj": Q.Q4_0, "down_proj": Q.Q8_0, "embed_tokens": Q.Q8_0}
+UNEVEN = dict(hidden_size=192, intermediate_size=384, num_attention_heads=6,
+              num_key_value_heads=3, num_hidden_layers=3)  # head_dim 32, KV heads 2 + 1
+
+
+@pytest.fixture(scope="module")
+def uneven_gguf(tmp_path_factory) -> str:
+    """A GGUF file whose 3 KV heads split 2 + 1 over two ranks."""
+    root = tmp_path_factory.mktemp("native-loop-tp")
+    hf = make_tiny_model(str(root / "hf"), tokenizer=True, **UNEVEN)
+    write_gguf(hf, str(root / "tiny.gguf"), lambda name: TP_TYPES.get(name.rsplit(".", 2)[-2]))
+    return str(root / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def uneven_dir(uneven_gguf, tmp_path_factory) -> str:
+    return materialize_gguf(uneven_gguf, str(tmp_path_factory.mktemp("native-loop-tp-dir")))
+
+
+@pytest.fixture(scope="module")
+def uneven_float_dir(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("native-int8-tp") / "model"),
+                           **{**UNEVEN, "hidden_size": 96})
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +163,7 @@ def test_int8_model_equals_the_python_loop(float_dir):
     assert _check_equal_to_loop(r) > 6
 
 
-def test_unquantized_and_tensor_parallel_models_keep_the_loop(float_dir):
+def test_unquantized_models_keep_the_loop(float_dir):
     """Dense float32 linear layers have no native weights: the loop runs them (oneDNN)."""
     r = runner(float_dir, "none", max_model_len=128)
     assert NativeLayerLoop.build(r.model.model) is None
@@ -152,3 +191,112 @@ def test_a_position_outside_the_rotary_table_is_an_index_error(gguf_dir):
     r.attention.plan(metadata)
     hidden = r.model(torch.tensor([5]), torch.tensor([0]), r.kv_caches, metadata)
     assert hidden.isfinite().all()
+
+
+def _tp_rank(rank: int, init_method: str, model_dir: str, quantization: str, out: str) -> None:
+    """One rank of a TP=2 group: its native loop against its Python loop, step by step (the
+    peers' all-reduces pair up across both loops: the same sequence numbers)."""
+    torch.set_num_threads(1)
+    if quantization == "noshm":
+        os.environ["DELTASERVE_SHM_ALLREDUCE"] = "0"
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"), timeout_s=30.0)
+    config = EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=1,
+                          num_gpu_blocks_override=34, tensor_parallel_size=2,
+                          quantization="int8" if quantization == "noshm" else quantization)
+    r = ModelRunner(config, tp)
+    attn = r.model.model.layers[0].self_attn
+    result = {"heads": (attn.num_heads, attn.num_kv_heads)}
+    if quantization == "noshm":
+        result["built"] = NativeLayerLoop.build(r.model.model) is not None
+    else:
+        result["rows"] = _check_equal_to_loop(r)
+        result["steps"], result["seq"] = r.model.model.native_loop.steps, tp.shm.next_seq
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def _tp_group(tmp_path, model_dir: str, quantization: str) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [context.Process(target=_tp_rank, args=(r, init, model_dir, quantization,
+                                                     str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_tensor_parallel_ranks_equal_their_python_loop(uneven_dir, uneven_float_dir, tmp_path,
+                                                       quantization):
+    """3 KV heads over 2 ranks: rank 0 holds 2 KV heads and 4 query heads, rank 1 one and
+    two; each rank's native loop (its own shards, the sums from inside the call) gives its
+    Python loop's hidden rows and K/V bit for bit, and both ranks end on the same sequence
+    number."""
+    model_dir = uneven_dir if quantization == "gguf" else uneven_float_dir
+    ranks = _tp_group(tmp_path, model_dir, quantization)
+    assert [r["heads"] for r in ranks] == [(4, 2), (2, 1)]
+    for r in ranks:
+        assert r["rows"] > 6 and r["steps"] == 13  # 5 prefills, 6 decodes, 2 mixed
+    assert ranks[0]["seq"] == ranks[1]["seq"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_without_the_shm_all_reduce_keeps_the_python_loop(uneven_float_dir,
+                                                                            tmp_path):
+    ranks = _tp_group(tmp_path, uneven_float_dir, "noshm")
+    assert [r["built"] for r in ranks] == [False, False]
+
+
+def _greedy(model: str, tp: int, prompts: list, native: bool, monkeypatch, **options) -> list:
+    """(token ids, log-probabilities) per prompt from an engine (its workers inherit the
+    environment: DELTASERVE_NATIVE_LAYERS=0 keeps the Python loop)."""
+    monkeypatch.setenv("DELTASERVE_NATIVE_LAYERS", "1" if native else "0")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    with LLM(model, tensor_parallel_size=tp, **options) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                       o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _assert_both_ranks_took_it(capfd) -> None:
+    err = capfd.readouterr().err
+    assert "native layer loop: first step" in err, err[-2000:]
+    for rank in (0, 1):
+        assert f"tensor-parallel rank {rank} of 2" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_tp2_engine_takes_the_native_loop_with_uneven_kv_heads(uneven_gguf, monkeypatch,
+                                                                capfd):
+    """Real worker processes: TP=2 with the native loop gives the TP=2 Python loop's tokens
+    and log-probabilities exactly (the same kernels and sums) and TP=1's tokens."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(40, 110))},
+               {"prompt_token_ids": [42]}]
+    options = dict(max_model_len=256, num_gpu_blocks_override=64)
+    capfd.readouterr()
+    native = _greedy(uneven_gguf, 2, prompts, True, monkeypatch, **options)
+    _assert_both_ranks_took_it(capfd)
+    assert _greedy(uneven_gguf, 2, prompts, False, monkeypatch, **options) == native
+    assert "native layer loop" not in capfd.readouterr().err
+    single = _greedy(uneven_gguf, 1, prompts, True, monkeypatch, **options)
+    assert [t for t, _ in single] == [t for t, _ in native]
+    for (_, a), (_, b) in zip(single, native):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tp2_smollm2_takes_the_native_loop(monkeypatch, capfd):
+    """The demo model (9 query heads, 3 KV heads: 6 + 3 and 2 + 1 per rank, Q4_1) at TP=2:
+    the native loop's tokens and log-probabilities are the Python loop's."""
+    model = fetched_model("smollm2", "SmolLM2")
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    options = dict(max_model_len=256, kv_cache_memory_bytes=1 << 26)
+    capfd.readouterr()
+    native = _greedy(model, 2, prompts, True, monkeypatch, **options)
+    _assert_both_ranks_took_it(capfd)
+    assert _greedy(model, 2, prompts, False, monkeypatch, **options) == native
