@@ -195,8 +195,9 @@ def test_a_position_outside_the_rotary_table_is_an_index_error(gguf_dir):
 
 def _tp_rank(rank: int, init_method: str, model_dir: str, quantization: str, out: str) -> None:
     """One rank of a TP=2 group: its native loop against its Python loop, step by step (the
-    peers' all-reduces pair up across both loops: the same sequence numbers)."""
-    torch.set_num_threads(1)
+    peers' all-reduces pair up across both loops: the same sequence numbers). int8 ranks run
+    a team of 2 threads (one of them sums, the team waits at the single's barrier)."""
+    torch.set_num_threads(2 if quantization == "int8" else 1)
     if quantization == "noshm":
         os.environ["DELTASERVE_SHM_ALLREDUCE"] = "0"
     tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"), timeout_s=30.0)
