@@ -6,6 +6,8 @@ Sections (--sections; all by default):
            the Q8_0 LM head 49152x576), M = 1, 8, 64, 512 rows, 1 thread and --threads:
            exact vs a8 (the CPU's variant), and the -march=x86-64-v3 build (what an AVX2
            host compiles) exact vs a8, interleaved, ms per call.
+  kquants  Q4_K 8192x2048 and Q6_K 2048x8192 products, M = 1, 8, 64, --threads: exact vs a8,
+           native and x86-64-v3 builds (not in the default sections).
   stream   SmolLM2 one stream: 6 short chat prompts x 128 tokens (ignore_eos), whole calls:
            gguf_a8 vs gguf vs llama.cpp (--llamacpp-python) on the very same file.
   prefill  8 distinct random-token prompts of 512 tokens at once, 1 output token each,
@@ -18,7 +20,7 @@ Sections (--sections; all by default):
            float32 (-q none), gguf, gguf_a8, and llama.cpp's own on the same file.
 Run: python benchmarks/bench_gguf_a8.py [--rounds 3] [--threads 2]
      [--llamacpp-python /work/peer/llamacpp/bin/python] [--vllm-python /work/peer/vllm/bin/python]
-     [--sections kernels stream prefill batch ppl]
+     [--sections kernels kquants stream prefill batch ppl]
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ from launch.model_cache.cache import download_model
 from worker.native import gguf_ops
 
 KERNEL_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
+# K-quants (a Q4_K_M file's two types; K a multiple of 256): a 1.7B model's MLP shapes.
+KQUANT_SHAPES = [("Q4_K", 8192, 2048), ("Q6_K", 2048, 8192)]
 PREFILL = (8, 512)
 
 
@@ -66,6 +70,21 @@ def kernels_section(args) -> None:
             for m in (1, 8, 64, 512):
                 kernel_row(builds, args.rounds * 3, qtype, w, n, k,
                            torch.randn(m, k, generator=g))
+
+
+def kquants_section(args) -> None:
+    ops = gguf_ops.load()
+    builds = {"exact": (ops, False), f"a8 {ops.a8_isa}": (ops, True),
+              "v3 exact": (gguf_ops.load("x86-64-v3"), False),
+              "v3 a8": (gguf_ops.load("x86-64-v3"), True)}
+    g = torch.Generator().manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print(f"K-quant kernels ({args.threads} threads), ms per call, median (min..max) of "
+          f"{args.rounds * 3} interleaved samples; x: its build's exact / this")
+    for qtype, n, k in KQUANT_SHAPES:
+        w = gguf_ops.random_blocks(qtype, n, k, g)
+        for m in (1, 8, 64):
+            kernel_row(builds, args.rounds * 3, qtype, w, n, k, torch.randn(m, k, generator=g))
 
 
 def kernel_row(builds: dict, samples: int, qtype: str, w: torch.Tensor, n: int, k: int,
@@ -218,6 +237,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}")
     if "kernels" in args.sections:
         kernels_section(args)
+    if "kquants" in args.sections:
+        kquants_section(args)
     if {"stream", "prefill"} & set(args.sections):
         engines_section(args, download_model("smollm2", progress=False), args.sections)
     if "batch" in args.sections:

@@ -1,5 +1,6 @@
 // 8-bit-activation products of gguf_matmul.cpp (qtype | A8_FLAG): llama.cpp's arithmetic for
-// the 32-element block types, NOT exact. Included inside gguf_matmul.cpp's anonymous
+// the GGUF block types (the 32-element ones and the K-quants Q4_K, Q5_K, Q6_K, seen as blocks
+// of 32 with their sub-block scales: gguf_a8_types.h), NOT exact. Included inside gguf_matmul.cpp's anonymous
 // namespace, after gguf_blocks.h, Args, with_rows and thread_buffer.
 //
 // Activations: each row of x is cut into blocks of 32 and quantized as llama.cpp's Q8_0 /
@@ -8,8 +9,9 @@
 //   s = d * Σ a_e (Q8_1's second field, for the types with an offset m).
 // Products per weight block of 32 (weights w_e = dw * q_e [+ m] as in gguf_blocks.h):
 //   Σ w_e x̂_e = dw * d * Σ q_e a_e  [+ m * s]
-// with Σ q_e a_e an exact integer sum (Q4_0, Q5_0, Q8_0: signed q, |q| against sign(a, q);
-// Q4_1, Q5_1: unsigned q against a). Integer lanes: VNNI `vpdpbusd` (4 u8·s8 products per
+// (Q6_K: dw * d * Σ_{e<16} q_e a_e + dw2 * d * Σ_{e>=16} q_e a_e)
+// with Σ q_e a_e an exact integer sum (Q4_0, Q5_0, Q8_0, Q6_K: signed q, |q| against
+// sign(a, q); Q4_1, Q5_1, Q4_K, Q5_K: unsigned q against a). Integer lanes: VNNI `vpdpbusd` (4 u8·s8 products per
 // int32 lane, no saturation) or AVX2 `vpmaddubsw` + `vpmaddwd` (pairs into int16: at most
 // 2 * 128 * 127 < 2^15, so never saturates); each block's 8 int32 lanes go to float and into
 // float accumulators scaled by dw * d, lanes summed after K. The result is the float64
@@ -140,17 +142,22 @@ void a8_tile_scalar(const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0,
                     float (&out)[R * NR]) {
     float acc[R * NR] = {};
     for (int64_t b = 0; b < x.nb; ++b) {
+        const int j = static_cast<int>(b % Q::kSub);
         for (int r = 0; r < NR; ++r) {
-            const uint8_t* blk = w[r] + b * Q::kBytes;
+            const uint8_t* blk = w[r] + b / Q::kSub * Q::kBytes;
             int8_t q[32];
-            Q::quants(blk, q);
-            const float dw = f16(blk), mw = Q::m(blk);
+            Q::quants(blk, j, q);
+            const float dw = Q::dw(blk, j), dw2 = Q::dw2(blk, j), mw = Q::m(blk, j);
             for (int m = 0; m < R; ++m) {
                 const int64_t i = (m0 + m) * x.nb + b;
                 const int8_t* a = x.q + i * A8_BLOCK;
-                int sum = 0;
-                for (int e = 0; e < A8_BLOCK; ++e) sum += q[e] * a[e];
-                acc[m * NR + r] += dw * x.d[i] * static_cast<float>(sum);
+                int sum = 0, sum2 = 0;
+                for (int e = 0; e < A8_BLOCK / 2; ++e) sum += q[e] * a[e];
+                for (int e = A8_BLOCK / 2; e < A8_BLOCK; ++e) sum2 += q[e] * a[e];
+                if constexpr (Q::kSplit)
+                    acc[m * NR + r] += x.d[i] * (dw * static_cast<float>(sum) +
+                                                 dw2 * static_cast<float>(sum2));
+                else acc[m * NR + r] += dw * x.d[i] * static_cast<float>(sum + sum2);
                 if constexpr (Q::kOffset) acc[m * NR + r] += mw * x.s[i];
             }
         }
@@ -182,16 +189,24 @@ SIMD_INLINE void a8_tile_simd(const uint8_t* const (&w)[NR], const A8Rows& x, in
     for (int i = 0; i < R * NR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.nb; ++b) {
         __m256i q[NR], u[NR];  // quants; u: what goes in unsigned (|q| for signed types)
-        __m256 dw[NR];
+        __m256 dw[NR];         // int32 lanes 0-3 hold elements 0-15, lanes 4-7 16-31
         float mw[NR];
+        const int j = static_cast<int>(b % Q::kSub);
 #pragma GCC unroll 8
         for (int r = 0; r < NR; ++r) {
-            const uint8_t* blk = w[r] + b * Q::kBytes;
-            __builtin_prefetch(blk + ahead);
-            q[r] = Q::quants_v(blk);
+            const uint8_t* blk = w[r] + b / Q::kSub * Q::kBytes;
+            if (Q::kSub == 1 || j == 0) __builtin_prefetch(blk + ahead);
+            if constexpr (Q::kSub > 1) {  // a super-block spans several cache lines
+                if (j == 0) __builtin_prefetch(blk + ahead + 64);
+                if (j == 0) __builtin_prefetch(blk + ahead + 128);
+                if (j == 0 && Q::kBytes > 192) __builtin_prefetch(blk + ahead + 192);
+            }
+            q[r] = Q::quants_v(blk, j);
             u[r] = Q::kSigned ? _mm256_sign_epi8(q[r], q[r]) : q[r];
-            dw[r] = _mm256_set1_ps(f16(blk));
-            mw[r] = Q::m(blk);
+            if constexpr (Q::kSplit)
+                dw[r] = _mm256_set_m128(_mm_set1_ps(Q::dw2(blk, j)), _mm_set1_ps(Q::dw(blk, j)));
+            else dw[r] = _mm256_set1_ps(Q::dw(blk, j));
+            mw[r] = Q::m(blk, j);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < R; ++m) {
