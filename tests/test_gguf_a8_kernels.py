@@ -36,9 +36,11 @@ from worker.native.gguf_matrix import GgufMatrix
 pytestmark = pytest.mark.timeout(120)
 
 U = 2.0 ** -24
-# (M, N, K blocks): one row (decode), a partial and a full tile, several tiles, a prefill-like
-# block; N not a multiple of the 4-row tile.
+# (M, N, K in the type's blocks): one row (decode), a partial and a full tile, several tiles,
+# a prefill-like block; N not a multiple of the 4-row tile. The K-quants' blocks are 256
+# elements (8 blocks of 32 activations each).
 SHAPES = [(1, 37, 3), (2, 5, 1), (4, 64, 2), (5, 33, 18), (9, 7, 4), (64, 19, 6), (300, 10, 2)]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,10 @@ def ops() -> gguf_ops.GgufOps:
 
 def _weights(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     return gguf_ops.random_blocks(qtype, n, k, torch.Generator().manual_seed(seed))
+
+
+def _block(qtype: str) -> int:
+    return gguf_ops.gguf_type(qtype).block_elems
 
 
 def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype: str,
@@ -82,7 +88,7 @@ def test_products_match_the_reference_on_every_variant(ops, qtype):
         for isa in isas(ops):
             ops.set_a8_isa(isa)
             for i, (m, n, blocks) in enumerate(SHAPES):
-                k = 32 * blocks
+                k = _block(qtype) * blocks
                 x, w = activations(m, k, seed=i), _weights(qtype, n, k, seed=i)
                 y = ops.matmul(x, w, qtype, n, k, a8=True)
                 assert_within_rounding(y, x, w, qtype, n, k)
@@ -92,7 +98,7 @@ def test_products_match_the_reference_on_every_variant(ops, qtype):
 
 @pytest.mark.parametrize("qtype", gguf_ops.A8_TYPES)
 def test_within_the_activation_rounding_of_the_exact_path(ops, qtype):
-    m, n, k = 12, 40, 32 * 8
+    m, n, k = 12, 40, 256 * 2
     x, w = activations(m, k, seed=3), _weights(qtype, n, k, seed=3)
     exact = ops.matmul(x, w, qtype, n, k).double()
     y = ops.matmul(x, w, qtype, n, k, a8=True).double()
@@ -112,20 +118,29 @@ def test_team_steps_threads_and_accumulate(ops):
     n, k = 70, 576
     w = _weights("Q4_1", n, k, seed=4)
     check_threads_agree(ops, w, "Q4_1", n, k)
+    for qtype in K_QUANTS:  # super-blocks; Q6_K's two scales per block of 32
+        check_threads_agree(ops, _weights(qtype, n, 512, seed=4), qtype, n, 512)
 
 
-def test_matrix_binds_the_a8_code_and_refuses_types_without_a_kernel(ops):
+def test_matrix_binds_the_a8_code_and_the_library_refuses_what_it_lacks(ops):
     w = _weights("Q8_0", 8, 64, seed=5)
     x = activations(3, 64, seed=5)
     matrix = GgufMatrix(w, "Q8_0", 8, 64, a8=True)
     assert matrix.code == 8 | gguf_ops.A8_FLAG
     assert torch.equal(matrix(x), ops.matmul(x, w, "Q8_0", 8, 64, a8=True))
-    with pytest.raises(ValueError, match="no 8-bit-activation kernel for Q4_K"):
-        GgufMatrix(_weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256, a8=True)
-    with pytest.raises(RuntimeError, match="status 2"):
-        ops.matmul(activations(1, 256, seed=5), _weights("Q4_K", 8, 256, seed=5), "Q4_K", 8, 256,
-                   a8=True)
-    assert gguf_a8.supported("Q4_1") and not gguf_a8.supported("Q6_K")
+    # Every block type with an exact kernel has an 8-bit one now; the library still refuses a
+    # code it has no kernel for (GGML's Q2_K, 10) with status 2, and K that is not whole
+    # super-blocks with status 1.
+    x = activations(1, 256, seed=5)
+    w = _weights("Q4_K", 8, 256, seed=5)
+    y = torch.empty(1, 8)
+    assert ops._matmul(10 | gguf_ops.A8_FLAG, w.data_ptr(), w.stride(0), x.data_ptr(), 256,
+                       y.data_ptr(), 8, 1, 8, 256, 0, 1) == 2
+    assert ops._matmul(12 | gguf_ops.A8_FLAG, w.data_ptr(), w.stride(0), x.data_ptr(), 256,
+                       y.data_ptr(), 8, 1, 8, 224, 0, 1) == 1
+    assert GgufMatrix(w, "Q4_K", 8, 256, a8=True).code == 12 | gguf_ops.A8_FLAG
+    assert all(gguf_a8.supported(t) for t in ("Q4_1", "Q8_0", *K_QUANTS))
+    assert not gguf_a8.supported("I8")  # w8a8's per-token product, not per block
 
 
 def test_fallback_without_the_library_is_the_reference(monkeypatch):
@@ -145,9 +160,11 @@ def test_portable_builds(march, variants):
     for isa in variants:
         ops.set_a8_isa(isa)
         for qtype in gguf_ops.A8_TYPES:
-            x, w = activations(5, 32 * 6, seed=7), _weights(qtype, 9, 32 * 6, seed=7)
-            assert_within_rounding(ops.matmul(x, w, qtype, 9, 192, a8=True), x, w, qtype, 9,
-                                   192)
+            k = _block(qtype) * 6
+            for m in (1, 5, 20):  # the decode tile, and many rows (8-row tiles on AVX2)
+                x, w = activations(m, k, seed=7), _weights(qtype, 9, k, seed=7)
+                assert_within_rounding(ops.matmul(x, w, qtype, 9, k, a8=True), x, w, qtype, 9,
+                                       k)
     ops.set_a8_isa(variants[0])
 
 

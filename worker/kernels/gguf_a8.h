@@ -1,5 +1,6 @@
 // 8-bit-activation products of gguf_matmul.cpp (qtype | A8_FLAG): llama.cpp's arithmetic for
-// the 32-element block types, NOT exact. Included inside gguf_matmul.cpp's anonymous
+// the GGUF block types (the 32-element ones and the K-quants Q4_K, Q5_K, Q6_K, seen as blocks
+// of 32 with their sub-block scales: gguf_a8_types.h), NOT exact. Included inside gguf_matmul.cpp's anonymous
 // namespace, after gguf_blocks.h, Args, with_rows and thread_buffer.
 //
 // Activations: each row of x is cut into blocks of 32 and quantized as llama.cpp's Q8_0 /
@@ -8,8 +9,9 @@
 //   s = d * Σ a_e (Q8_1's second field, for the types with an offset m).
 // Products per weight block of 32 (weights w_e = dw * q_e [+ m] as in gguf_blocks.h):
 //   Σ w_e x̂_e = dw * d * Σ q_e a_e  [+ m * s]
-// with Σ q_e a_e an exact integer sum (Q4_0, Q5_0, Q8_0: signed q, |q| against sign(a, q);
-// Q4_1, Q5_1: unsigned q against a). Integer lanes: VNNI `vpdpbusd` (4 u8·s8 products per
+// (Q6_K: dw * d * Σ_{e<16} q_e a_e + dw2 * d * Σ_{e>=16} q_e a_e)
+// with Σ q_e a_e an exact integer sum (Q4_0, Q5_0, Q8_0, Q6_K: signed q, |q| against
+// sign(a, q); Q4_1, Q5_1, Q4_K, Q5_K: unsigned q against a). Integer lanes: VNNI `vpdpbusd` (4 u8·s8 products per
 // int32 lane, no saturation) or AVX2 `vpmaddubsw` + `vpmaddwd` (pairs into int16: at most
 // 2 * 128 * 127 < 2^15, so never saturates); each block's 8 int32 lanes go to float and into
 // float accumulators scaled by dw * d, lanes summed after K. The result is the float64
@@ -37,8 +39,40 @@ struct A8Rows {
     int64_t k, nb;
 };
 
-// One block of 32 (see the header comment).
+// One block of 32 (see the header comment). The AVX2 form gives the same bits: the maximum
+// and the integer sum do not depend on the order, and vcvtps2dq rounds half to even under
+// the default MXCSR as nearbyint does; |x * id| <= 127 (1 + 3u) rounds to at most 127, so
+// the saturating packs never saturate.
 inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
+#if defined(__AVX2__)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4];
+    __m256 vmax = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v[j], abs_mask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    d = _mm_cvtss_f32(h) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i n[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
+                                             _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6,
+                                                                             3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]),
+                                       _mm256_add_epi32(n[2], n[3]));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 1));
+    s = d * static_cast<float>(_mm_cvtsi128_si32(u));
+#else
     float amax = 0.0f;
     for (int e = 0; e < A8_BLOCK; ++e) amax = std::max(amax, std::fabs(x[e]));
     d = amax / 127.0f;
@@ -50,6 +84,7 @@ inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
         sum += v;
     }
     s = d * static_cast<float>(sum);
+#endif
 }
 
 inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s) {
@@ -101,22 +136,28 @@ int a8_isa() {
 }
 
 // out[m * NR + r] = x row m0 + m · weight row r (r < valid; rows past it repeat the last).
+// `ahead`: bytes past each block to prefetch (the rows of a later tile; SIMD variants).
 template <class Q, int R, int NR>
 void a8_tile_scalar(const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0,
                     float (&out)[R * NR]) {
     float acc[R * NR] = {};
     for (int64_t b = 0; b < x.nb; ++b) {
+        const int j = static_cast<int>(b % Q::kSub);
         for (int r = 0; r < NR; ++r) {
-            const uint8_t* blk = w[r] + b * Q::kBytes;
+            const uint8_t* blk = w[r] + b / Q::kSub * Q::kBytes;
             int8_t q[32];
-            Q::quants(blk, q);
-            const float dw = f16(blk), mw = Q::m(blk);
+            Q::quants(blk, j, q);
+            const float dw = Q::dw(blk, j), dw2 = Q::dw2(blk, j), mw = Q::m(blk, j);
             for (int m = 0; m < R; ++m) {
                 const int64_t i = (m0 + m) * x.nb + b;
                 const int8_t* a = x.q + i * A8_BLOCK;
-                int sum = 0;
-                for (int e = 0; e < A8_BLOCK; ++e) sum += q[e] * a[e];
-                acc[m * NR + r] += dw * x.d[i] * static_cast<float>(sum);
+                int sum = 0, sum2 = 0;
+                for (int e = 0; e < A8_BLOCK / 2; ++e) sum += q[e] * a[e];
+                for (int e = A8_BLOCK / 2; e < A8_BLOCK; ++e) sum2 += q[e] * a[e];
+                if constexpr (Q::kSplit)
+                    acc[m * NR + r] += x.d[i] * (dw * static_cast<float>(sum) +
+                                                 dw2 * static_cast<float>(sum2));
+                else acc[m * NR + r] += dw * x.d[i] * static_cast<float>(sum + sum2);
                 if constexpr (Q::kOffset) acc[m * NR + r] += mw * x.s[i];
             }
         }
@@ -141,23 +182,31 @@ inline float hsum8(__m256 v) {
 
 template <class Q, int I, int R, int NR>
 SIMD_INLINE void a8_tile_simd(const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0,
-                              float (&out)[R * NR]) {
+                              int64_t ahead, float (&out)[R * NR]) {
     __m256 acc[R * NR];
     float off[R * NR] = {};
 #pragma GCC unroll 16
     for (int i = 0; i < R * NR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.nb; ++b) {
         __m256i q[NR], u[NR];  // quants; u: what goes in unsigned (|q| for signed types)
-        __m256 dw[NR];
+        __m256 dw[NR];         // int32 lanes 0-3 hold elements 0-15, lanes 4-7 16-31
         float mw[NR];
+        const int j = static_cast<int>(b % Q::kSub);
 #pragma GCC unroll 8
         for (int r = 0; r < NR; ++r) {
-            const uint8_t* blk = w[r] + b * Q::kBytes;
-            __builtin_prefetch(blk + 4 * Q::kBytes);
-            q[r] = Q::quants_v(blk);
+            const uint8_t* blk = w[r] + b / Q::kSub * Q::kBytes;
+            if (Q::kSub == 1 || j == 0) __builtin_prefetch(blk + ahead);
+            if constexpr (Q::kSub > 1) {  // a super-block spans several cache lines
+                if (j == 0) __builtin_prefetch(blk + ahead + 64);
+                if (j == 0) __builtin_prefetch(blk + ahead + 128);
+                if (j == 0 && Q::kBytes > 192) __builtin_prefetch(blk + ahead + 192);
+            }
+            q[r] = Q::quants_v(blk, j);
             u[r] = Q::kSigned ? _mm256_sign_epi8(q[r], q[r]) : q[r];
-            dw[r] = _mm256_set1_ps(f16(blk));
-            mw[r] = Q::m(blk);
+            if constexpr (Q::kSplit)
+                dw[r] = _mm256_set_m128(_mm_set1_ps(Q::dw2(blk, j)), _mm_set1_ps(Q::dw(blk, j)));
+            else dw[r] = _mm256_set1_ps(Q::dw(blk, j));
+            mw[r] = Q::m(blk, j);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < R; ++m) {
@@ -181,14 +230,14 @@ SIMD_INLINE void a8_tile_simd(const uint8_t* const (&w)[NR], const A8Rows& x, in
 // The tile for the chosen ISA.
 template <class Q, int R, int NR>
 void a8_tile(int isa, const uint8_t* const (&w)[NR], const A8Rows& x, int64_t m0,
-             float (&out)[R * NR]) {
+             int64_t ahead, float (&out)[R * NR]) {
 #if defined(__AVX2__)
 #if defined(A8_HAVE_VNNI)
-    if (isa == A8_VNNI) return a8_tile_simd<Q, A8_VNNI, R, NR>(w, x, m0, out);
+    if (isa == A8_VNNI) return a8_tile_simd<Q, A8_VNNI, R, NR>(w, x, m0, ahead, out);
 #endif
-    if (isa == A8_AVX2) return a8_tile_simd<Q, A8_AVX2, R, NR>(w, x, m0, out);
+    if (isa == A8_AVX2) return a8_tile_simd<Q, A8_AVX2, R, NR>(w, x, m0, ahead, out);
 #endif
-    (void)isa;
+    (void)isa, (void)ahead;
     a8_tile_scalar<Q, R, NR>(w, x, m0, out);
 }
 
@@ -252,6 +301,10 @@ void a8_drive(const Args& a) {
     const int64_t groups = (a.n + A8_NR - 1) / A8_NR;
     const int64_t rows = std::max<int64_t>(A8_ROWS, A8_X_BLOCK_BYTES / a.k / A8_ROWS * A8_ROWS);
     const int64_t units = (a.m + rows - 1) / rows * groups;
+    // A thread's units are consecutive groups of weight rows (one x block at decode): like
+    // the exact direct tile, prefetch the rows PREFETCH_ROWS further on at the same offset
+    // (a row is a few hundred bytes, too short for the hardware prefetchers).
+    const int64_t ahead = PREFETCH_ROWS * a.w_stride;
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < units; ++unit) {
         const int64_t n0 = unit % groups * A8_NR, x0 = unit / groups * rows;
@@ -262,7 +315,7 @@ void a8_drive(const Args& a) {
             with_rows<A8_ROWS>(static_cast<int>(std::min<int64_t>(A8_ROWS, a.m - m0)),
                                [&]<int R>() {
                 float out[R * A8_NR];
-                a8_tile<Q, R, A8_NR>(isa, w, x, m0, out);
+                a8_tile<Q, R, A8_NR>(isa, w, x, m0, ahead, out);
                 for (int m = 0; m < R; ++m) {
                     float* y = a.y + (m0 + m) * a.y_stride + n0;
                     for (int r = 0; r < cols; ++r)

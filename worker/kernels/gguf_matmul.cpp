@@ -10,8 +10,8 @@
 // fused multiply-adds, so the result is dequantize-then-float32-matmul up to the order of the
 // summation (direct: W lanes of K / W terms each, then a lane tree; strips: one running sum
 // per KC chunk of K, then the chunks' sums). No activation quantization, except where the
-// qtype carries A8_FLAG (not exact): 8 bits per block of 32 for the GGUF block types
-// (gguf_a8.h), per token for I8 rows (w8a8.h).
+// qtype carries A8_FLAG (not exact): 8 bits per block of 32 for the GGUF block types,
+// K-quants included (gguf_a8.h), per token for I8 rows (w8a8.h).
 //
 // Two drivers:
 //   direct (M <= DIRECT_ROWS, decode; gguf_gemv.h): each tile decodes up to 4 weight rows in
@@ -81,7 +81,7 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
     }
     if (qtype & A8_FLAG) {
         const bool known = with_a8_type(qtype & ~A8_FLAG, [&]<class Q>() {
-            if (k % A8_BLOCK) status = 1;
+            if (k % (A8_BLOCK * Q::kSub)) status = 1;
             else if (m == 0 || n == 0) return;
             else if (num_threads == 0) a8_drive<Q>(a);
             else {

@@ -37,7 +37,7 @@ _QUANTIZE_ARGS = [PTR, I64, I64, I64, PTR, PTR, PTR]
 # The qtype bit selecting 8-bit activations (gguf_a8.h; worker/native/gguf_a8.py), the types
 # that have such a kernel, and its ISA variants by gguf_a8_isa's codes.
 A8_FLAG = 0x100
-A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+A8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 A8_ISAS = ("scalar", "avx2", "vnni")
 # I8 rows with A8_FLAG: the w8a8 product (worker/kernels/w8a8.h): x quantized per token to
 # int8 (not per block), int32 sums; the caller multiplies by the rows' scales. Same ISAs.

@@ -4,8 +4,9 @@ an opt-in trade of accuracy for integer dot products (VNNI / AVX2), held to the 
 contract its tests check (perplexity, greedy agreement with float32).
 
 The layers are GGUFConfig's; the linear layers whose every block type has an 8-bit-activation
-kernel (the 32-element types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take it; the others (the K-quants,
-float tensors) run exactly as under `gguf`. The LM head and the embedding stay exact: on
+kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K, whose activations are
+quantized per 32 elements too, not per 256 as llama.cpp's Q8_K) take it; the others (float
+tensors) run exactly as under `gguf`. The LM head and the embedding stay exact: on
 SmolLM2 an 8-bit LM head took next-token agreement with float32 from 98 % to 96 % and the
 perplexity gap from +0.13 % to +0.54 % (held-out English), for no speed at one row (one
 product per token, as fast either way).
