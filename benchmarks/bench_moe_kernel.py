@@ -4,7 +4,10 @@ random weights, 2 threads, median of --repeats calls each, at 1 and 32 tokens:
 
   moe        the fused MoE kernel over 8 layers (routing from random logits), GB/s of the
              active experts' weights it reads
-  proj       the attention's qkv and o projections of 8 layers (oneDNN-packed)
+  proj       the attention's qkv and o projections of 8 layers: oneDNN-packed, and for a
+             16-bit --dtype at 1 token the plain rows through gguf_matmul (what a bf16
+             layer runs up to 8 rows now); 40 layers' weights cycled, so they come from
+             memory, not from the 260 MB L3 as 8 layers' 75 MB would
   lm_head    the LM head: float32 oneDNN (the old bf16 path's copy) and, for a 16-bit
              --dtype, the table itself through gguf_matmul (what a bf16 head runs now)
 
@@ -23,6 +26,7 @@ from worker.layers.fused_moe.router import select_experts
 from worker.native import fused_moe, gguf_ops
 
 E, H, INTER, LAYERS, TOP_K, VOCAB, QKV, O_IN = 64, 1024, 512, 8, 8, 32000, 2560, 2048
+PROJ_SETS = 40  # layers' projections cycled (375 MB in bf16: more than the L3)
 
 
 def timed(run, repeats: int) -> float:
@@ -47,8 +51,9 @@ def main() -> None:
     moe = [fused_moe.bind_stacked((torch.randn(E, 2 * INTER, H) * .05).to(dtype),
                                   (torch.randn(E, H, INTER) * .05).to(dtype), H)
            for _ in range(LAYERS)]
-    proj = [(onednn_linear.pack((torch.randn(QKV, H) * .05).to(dtype)),
-             onednn_linear.pack((torch.randn(H, O_IN) * .05).to(dtype))) for _ in range(LAYERS)]
+    plain = [((torch.randn(QKV, H) * .05).to(dtype), (torch.randn(H, O_IN) * .05).to(dtype))
+             for _ in range(PROJ_SETS)]
+    proj = [(onednn_linear.pack(a), onednn_linear.pack(b)) for a, b in plain]
     table = torch.randn(VOCAB, H) * .05
     head32, head16, ops = onednn_linear.pack(table), table.to(dtype), gguf_ops.native()
     for tokens in (1, 32):
@@ -60,8 +65,14 @@ def main() -> None:
               f"GB/s ({ids.unique().numel()} experts a layer)", flush=True)
         xa, xo = torch.randn(tokens, H).to(dtype), torch.randn(tokens, O_IN).to(dtype)
         seconds = timed(lambda: [(onednn_linear.linear(xa, a), onednn_linear.linear(xo, b))
-                                 for a, b in proj], args.repeats)
-        print(f"{tokens:2d} tokens  proj     {seconds * 1e3:7.2f} ms", flush=True)
+                                 for a, b in proj], args.repeats) * LAYERS / PROJ_SETS
+        print(f"{tokens:2d} tokens  proj     {seconds * 1e3:7.2f} ms oneDNN", flush=True)
+        if size == 2 and ops is not None and tokens <= gguf_ops.DENSE_ROWS:
+            seconds = timed(lambda: [(ops.dense_matmul(xa.float(), a).to(dtype),
+                                      ops.dense_matmul(xo.float(), b).to(dtype))
+                                     for a, b in plain], args.repeats) * LAYERS / PROJ_SETS
+            print(f"{tokens:2d} tokens  proj     {seconds * 1e3:7.2f} ms plain rows "
+                  "(gguf_matmul)", flush=True)
         xf = torch.randn(tokens, H)
         seconds = timed(lambda: onednn_linear.linear(xf, head32), args.repeats)
         print(f"{tokens:2d} tokens  lm_head  {seconds * 1e3:7.2f} ms float32 oneDNN", flush=True)

@@ -255,7 +255,7 @@ void bf16_group_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, 
             __m512 even[NR], odd[NR];
 #pragma GCC unroll 8
             for (int r = 0; r < NR; ++r) {
-                __builtin_prefetch(rows[r] + 2 * i + ahead);
+                __builtin_prefetch(rows[r] + 2 * i + ahead, 0, 2);  // to L2 (gguf_gemv.h)
                 const __m512i v = _mm512_loadu_si512(rows[r] + 2 * i);
                 // a shift by vector extension: GCC 12's _mm512_slli_epi32 trips
                 // -Wmaybe-uninitialized

@@ -47,6 +47,9 @@ _QUANTIZE_W8A8_ARGS = [PTR, I64, I64, I64, PTR, PTR]
 # GGML's codes of the dense types gguf_matmul and fused_moe also multiply (dense_blocks.h).
 DENSE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 DENSE_BLOCK = 32  # a dense row's K must be a multiple of this
+# Up to this many x rows gguf_matmul runs its direct (decode) driver: one pass over the
+# weights in address order (gguf_drive.h's DIRECT_ROWS with AVX-512; 4 with AVX2).
+DENSE_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,15 @@ def native() -> GgufOps | None:
     except UNAVAILABLE as e:
         logger.warning("GGUF kernels unavailable, dequantizing with gguf.quants: %s", e)
         return None
+
+
+def dense_few_rows(weight: torch.Tensor) -> GgufOps | None:
+    """The library, where a 16-bit dense weight [N, K] (bfloat16 or float16 CPU rows, K a
+    multiple of DENSE_BLOCK) can be multiplied by `dense_matmul`; else None."""
+    if (weight.dtype not in (torch.bfloat16, torch.float16) or not weight.is_cpu
+            or weight.dim() != 2 or weight.shape[1] % DENSE_BLOCK or weight.stride(1) != 1):
+        return None
+    return native()
 
 
 def random_blocks(qtype: str | int, n: int, k: int, generator: torch.Generator,

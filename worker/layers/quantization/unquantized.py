@@ -20,17 +20,32 @@ from worker.native.fused_moe import bind_stacked
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """`weight` [out_per_rank, in_per_rank] in the compute dtype, packed after loading."""
+    """`weight` [out_per_rank, in_per_rank] in the compute dtype, packed after loading.
+
+    A bfloat16 or float16 weight (K a multiple of 32, the GGUF library built) multiplies up
+    to DENSE_ROWS rows (decode) through gguf_matmul's direct driver on its plain rows
+    (`weight_rows`): each weight widened to float32 in registers, float32 sums, rounded to the
+    compute dtype, as oneDNN's 16-bit product does up to summation order, but read at memory
+    speed (oneDNN's bf16 product at one row read ~17 GB/s here, benchmarks/bench_moe_kernel.py).
+    More rows go to oneDNN's packed copy, so where oneDNN packs, a 16-bit layer holds its
+    weight twice (plain and packed); DELTASERVE_ONEDNN=0 keeps the plain one only."""
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         layer.weight = parameter(torch.empty(out_per_rank, in_per_rank), ShardDims())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if onednn_linear.enabled(layer.weight.device):
+        weight = layer.weight.data
+        layer.dense_ops = gguf_ops.dense_few_rows(weight)
+        layer.weight_rows = weight if layer.dense_ops is not None else None
+        if onednn_linear.enabled(weight.device):
             layer.weight = onednn_linear.packed_parameter(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        ops = getattr(layer, "dense_ops", None)
+        if ops is not None and x.dim() == 2 and x.shape[0] <= gguf_ops.DENSE_ROWS:
+            y = ops.dense_matmul(x.float(), layer.weight_rows)
+            return (y if bias is None else y.add_(bias)).to(x.dtype)
         return onednn_linear.linear(x, layer.weight, bias)
 
 
@@ -66,8 +81,7 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         table = layer.weight.detach()
         layer.dense_ops = None
-        if (table.dtype in (torch.bfloat16, torch.float16) and table.is_cpu
-                and table.shape[1] % gguf_ops.DENSE_BLOCK == 0 and (ops := gguf_ops.native()) is not None):
+        if (ops := gguf_ops.dense_few_rows(table)) is not None:
             layer.dense_ops = ops
             return
         weight = table.float()

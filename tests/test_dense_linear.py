@@ -1,0 +1,96 @@
+"""16-bit dense linear layers at decode row counts (UnquantizedLinearMethod): up to
+gguf_ops.DENSE_ROWS rows go through gguf_matmul's dense driver on the plain weight rows, more
+to oneDNN's packed copy; both equal the float32 product of the 16-bit values up to summation
+order, rounded to the compute dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from worker.native import build as native_build
+from worker.native import gguf_ops
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+@pytest.fixture(scope="module")
+def ops() -> gguf_ops.GgufOps:
+    try:
+        return gguf_ops.load()
+    except native_build.CompilerUnavailable as e:
+        pytest.skip(f"no C++ compiler: {e}")
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _layers(dtype: torch.dtype) -> list[torch.nn.Module]:
+    """A biased QKV projection (Qwen2's), an o projection and a router, K = 256 / 384 / 256
+    (several 32-element blocks), N = 384 / 256 / 72 (not a multiple of the 4-row groups for
+    the router); all past the library's threading threshold at one row but the router."""
+    tp = TensorParallel()
+    layers = [QKVParallelLinear(256, 32, 8, 2, tp, bias=True), RowParallelLinear(384, 256, tp),
+              ReplicatedLinear(256, 72, tp)]
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers:
+        layer.weight.data = (torch.randn(layer.weight.shape, generator=gen) * 0.1).to(dtype)
+        if layer.bias is not None:
+            layer.bias.data = torch.randn(layer.bias.shape, generator=gen).to(dtype)
+        layer.quant_method.process_weights_after_loading(layer)
+    return layers
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> None:
+    """y (dtype) = round(x · wᵀ + bias) up to float32 summation and one rounding."""
+    assert y.dtype == dtype and y.shape == (x.shape[0], w.shape[0])
+    x64, w64 = x.double(), w.double()
+    want = x64 @ w64.T + (0 if bias is None else bias.double())
+    bound = x.shape[1] * U * (x64.abs() @ w64.abs().T) + 2.0 ** -8 * want.abs()
+    worst = ((y.double() - want).abs() - bound).max().item()
+    assert worst <= 0.0, f"error exceeds the bound by {worst:g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_few_rows_read_the_plain_weight(ops, threads, dtype, num_threads):
+    """1..DENSE_ROWS rows: the dense driver on the kept plain rows, exact up to summation
+    order, and the same bits with 1 and 2 threads (each output summed by one thread)."""
+    threads(num_threads)
+    for layer in _layers(dtype):
+        assert layer.dense_ops is not None and layer.weight_rows.dtype == dtype
+        w, bias = layer.weight_rows, layer.bias
+        for rows in range(1, gguf_ops.DENSE_ROWS + 1):
+            x = torch.randn(rows, w.shape[1]).to(dtype)
+            y = layer(x)
+            _check(y, x.float(), w.float(), bias, dtype)
+            threads(3 - num_threads)
+            assert torch.equal(layer(x), y)
+            threads(num_threads)
+
+
+def test_more_rows_keep_onednn(ops, threads):
+    """Past DENSE_ROWS the packed oneDNN weight (where oneDNN packs bf16 here) serves."""
+    threads(2)
+    for layer in _layers(torch.bfloat16):
+        w = layer.weight_rows
+        x = torch.randn(gguf_ops.DENSE_ROWS + 5, w.shape[1]).bfloat16()
+        _check(layer(x), x.float(), w.float(), layer.bias, torch.bfloat16)
+
+
+def test_float32_and_odd_widths_stay_off_the_dense_path(ops):
+    tp = TensorParallel()
+    f32, odd = RowParallelLinear(64, 16, tp), RowParallelLinear(40, 16, tp)
+    odd.weight.data = odd.weight.data.bfloat16()
+    for layer in (f32, odd):
+        layer.weight.data.normal_()
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.dense_ops is None and layer.weight_rows is None
+        x = torch.randn(2, layer.weight.shape[1]).to(layer.weight.dtype)
+        assert layer(x).shape == (2, 16)
