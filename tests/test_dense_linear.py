@@ -1,13 +1,16 @@
-"""16-bit dense linear layers at decode row counts (UnquantizedLinearMethod): up to
-gguf_ops.DENSE_ROWS rows go through gguf_matmul's dense driver on the plain weight rows, more
-to oneDNN's packed copy; both equal the float32 product of the 16-bit values up to summation
-order, rounded to the compute dtype."""
+"""16-bit dense linear layers (UnquantizedLinearMethod) through gguf_matmul's dense driver on
+the plain weight rows: up to gguf_ops.DENSE_ROWS rows where oneDNN does not pack the weight,
+every row count (and no packed bf16 copy) where this CPU's bf16 products are slow, the float32
+copy from FLOAT32_ROWS rows on the float32 route. Each product equals the float32 product of
+the 16-bit values up to summation order, rounded to the compute dtype. Both kinds of host are
+laid out here whatever this one is, by setting what the start-up probe would have found."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers import bf16_linear, onednn_linear
 from worker.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from worker.native import build as native_build
 from worker.native import gguf_ops
@@ -21,6 +24,17 @@ def ops() -> gguf_ops.GgufOps:
         return gguf_ops.load()
     except native_build.CompilerUnavailable as e:
         pytest.skip(f"no C++ compiler: {e}")
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """host(slow, route): lay layers out as where the probe found this CPU's bf16 products
+    slow or not, on the given route (bfloat16: 16-bit outputs)."""
+    def set_host(slow: bool, route: str = bf16_linear.BFLOAT16) -> None:
+        monkeypatch.setenv(bf16_linear.ENV_SWITCH, route)
+        monkeypatch.setattr(bf16_linear, "products_slow",
+                            lambda dtype: slow and dtype == torch.bfloat16)
+    return set_host
 
 
 @pytest.fixture
@@ -59,9 +73,10 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_few_rows_read_the_plain_weight(ops, threads, dtype, num_threads):
+def test_few_rows_read_the_plain_weight(ops, host, threads, dtype, num_threads):
     """1..DENSE_ROWS rows: the dense driver on the kept plain rows, exact up to summation
     order, and the same bits with 1 and 2 threads (each output summed by one thread)."""
+    host(slow=True)
     threads(num_threads)
     for layer in _layers(dtype):
         assert layer.dense_ops is not None and layer.weight_rows.dtype == dtype
@@ -75,16 +90,51 @@ def test_few_rows_read_the_plain_weight(ops, threads, dtype, num_threads):
             threads(num_threads)
 
 
-def test_more_rows_keep_onednn(ops, threads):
-    """Past DENSE_ROWS the packed oneDNN weight (where oneDNN packs bf16 here) serves."""
+def test_slow_bf16_products_keep_one_copy_for_every_row_count(ops, host, threads):
+    """Where bf16 products are slow, a bf16 layer holds its plain rows only and the dense
+    driver takes every row count (bf16 out on the bfloat16 route)."""
+    host(slow=True)
     threads(2)
     for layer in _layers(torch.bfloat16):
-        w = layer.weight_rows
-        x = torch.randn(gguf_ops.DENSE_ROWS + 5, w.shape[1]).bfloat16()
-        _check(layer(x), x.float(), w.float(), layer.bias, torch.bfloat16)
+        assert not layer.weight.is_mkldnn and layer.weight.data_ptr() == layer.weight_rows.data_ptr()
+        for rows in (gguf_ops.DENSE_ROWS + 5, 40, 300):
+            x = torch.randn(rows, layer.weight_rows.shape[1]).bfloat16()
+            _check(layer(x), x.float(), layer.weight_rows.float(), layer.bias, torch.bfloat16)
 
 
-def test_float32_and_odd_widths_stay_off_the_dense_path(ops):
+def test_float32_route_dense_below_the_copy(ops, host, threads):
+    """On the float32 route with slow bf16 products: below FLOAT32_ROWS the dense driver on the
+    bf16 rows, from it the packed float32 copy; float32 out, x · W.float()ᵀ to float32 sums."""
+    if not onednn_linear.enabled(torch.device("cpu")):
+        pytest.skip("no oneDNN packing (DELTASERVE_ONEDNN=0 or torch without it): no float32 copy")
+    host(slow=True, route=bf16_linear.FLOAT32)
+    threads(2)
+    for layer in _layers(torch.bfloat16):
+        assert layer.weight_float32 is not None and not layer.weight.is_mkldnn
+        for rows in (1, bf16_linear.FLOAT32_ROWS - 1, bf16_linear.FLOAT32_ROWS, 100):
+            x = torch.randn(rows, layer.weight_rows.shape[1])
+            y = layer(x)
+            assert y.dtype == torch.float32
+            _check(y.float(), x, layer.weight_rows.float(), layer.bias, torch.float32)
+
+
+def test_fast_bf16_products_keep_onednn_only(ops, host, threads):
+    """Where bf16 products are not slow and oneDNN packs bf16, the packed copy is the only one
+    and serves every row count; without packing the plain rows serve (dense up to DENSE_ROWS)."""
+    host(slow=False)
+    threads(2)
+    for layer in _layers(torch.bfloat16):
+        packed = layer.weight.is_mkldnn
+        assert (layer.dense_ops is None) == packed
+        w = onednn_linear.linear(torch.eye(layer.weight.shape[1]).bfloat16(), layer.weight).T \
+            if packed else layer.weight.data
+        for rows in (1, gguf_ops.DENSE_ROWS + 5):
+            x = torch.randn(rows, w.shape[1]).bfloat16()
+            _check(layer(x), x.float(), w.float(), layer.bias, torch.bfloat16)
+
+
+def test_float32_and_odd_widths_stay_off_the_dense_path(ops, host):
+    host(slow=True)
     tp = TensorParallel()
     f32, odd = RowParallelLinear(64, 16, tp), RowParallelLinear(40, 16, tp)
     odd.weight.data = odd.weight.data.bfloat16()

@@ -382,3 +382,32 @@ def test_a_neighbour_that_comes_back_is_not_paid_for_twice():
     _leave_while_idling(host)
     again = _return_after_idling(host, 0.05)
     assert again[:4] == [2] * 4 and host.sizer.current == 1  # references first again
+
+
+_MMAPPED_AFTER_BIG_ALLOCATION = """
+import ctypes, sys
+from worker.host import malloc
+took = malloc.keep_freed_memory()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+before = libc.mallinfo2().hblks  # blocks mapped before the setting (imports) stay mapped
+block = bytearray(64 << 20)  # over glibc's largest mmap threshold
+print(int(took), libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION")
+                    is None, reason="glibc's mallopt/mallinfo2 only")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_workers_keep_big_blocks_in_the_heap(switch):
+    """With the setting a 64 MiB block comes from the heap (no new mmapped block), without
+    it glibc maps it."""
+    env = {**os.environ, "DELTASERVE_KEEP_MALLOC": switch}
+    out = subprocess.run([sys.executable, "-c", _MMAPPED_AFTER_BIG_ALLOCATION], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    took, mapped = int(out[0]), int(out[1])
+    assert (took, mapped == 0) == ((1, True) if switch == "1" else (0, False))

@@ -53,6 +53,8 @@ class TorchAttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        # q, k, v may come in float32 over a bf16 cache (bf16_linear.py): computed in the cache's dtype
+        query, key, value = (t.to(k_cache.dtype) for t in (query, key, value))
         if metadata.plan is None:
             metadata.plan = _make_plan(metadata, k_cache)
         plan: _TorchPlan = metadata.plan

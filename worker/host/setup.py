@@ -11,7 +11,7 @@ import torch
 
 from common.log_limiter import LogLimiter
 from protocol import EngineConfig
-from worker.host import amx, openmp
+from worker.host import amx, malloc, openmp
 from worker.host.team_size import LoadMeter, TeamSizer, engine_pids
 from worker.host.threads import ThreadPlan, plan_threads
 
@@ -60,7 +60,9 @@ def ranks_on_this_host(config: EngineConfig, rank: int) -> tuple[int, int]:
 
 
 def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
-    """Set this process's threads; how the host was set up."""
+    """Set this process's threads (and malloc, worker/host/malloc.py); how the host was set
+    up."""
+    malloc.keep_freed_memory()
     plan: ThreadPlan = plan_threads(config.num_threads, *ranks_on_this_host(config, rank))
     torch.set_num_threads(plan.num_threads)
     if plan.bind:

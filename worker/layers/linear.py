@@ -37,6 +37,11 @@ class LinearBase(nn.Module):
         """The dtype of this layer's input and output."""
         return self.quant_method.compute_dtype(self)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype this layer's outputs are stored in (KV cache), see the method's."""
+        return self.quant_method.cache_dtype(self)
+
 
 class ReplicatedLinear(LinearBase):
     """y = x W^T + b with the whole W on every rank (a router: every rank routes alike)."""

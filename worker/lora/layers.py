@@ -41,6 +41,9 @@ class LoRALinearMethod(LinearMethodBase):
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         return self.base.compute_dtype(layer)
 
+    def cache_dtype(self, layer: nn.Module) -> torch.dtype:
+        return self.base.cache_dtype(layer)
+
     def native_weights(self, layer: nn.Module) -> NativeWeights | None:
         """The base's: the native layer loop adds the deltas itself (`native_guard`'s
         `native_step`)."""

@@ -199,5 +199,6 @@ class Gemma3ForCausalLM(nn.Module):
         """One (key, value) pair per decoder layer, each with its window (0: global)."""
         layers = self.model.layers
         attn = layers[0].self_attn
-        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim, layers[0].dtype,
+        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim,
+                           attn.qkv_proj.cache_dtype,
                            tuple(layer.self_attn.sliding_window for layer in layers))

@@ -245,7 +245,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """One (key, value) pair per decoder layer, in the layers' compute dtype."""
+        """One (key, value) pair per decoder layer, in the QKV projection's cache dtype (the
+        compute dtype, or bfloat16 where bf16 linears multiply in float32)."""
         layers = self.model.layers
         attn = layers[0].self_attn
-        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim, layers[0].dtype)
+        return KVCacheSpec(len(layers), attn.num_kv_heads, attn.head_dim,
+                           attn.qkv_proj.cache_dtype)

@@ -93,6 +93,11 @@ class LinearMethodBase(QuantizeMethodBase):
         """The dtype `apply` takes and returns: the dense weight's; quantized methods say."""
         return layer.weight.dtype
 
+    def cache_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype in which the activations this layer makes are stored (a QKV projection's
+        KV cache): `compute_dtype`, unless the method computes in float32 for speed alone."""
+        return self.compute_dtype(layer)
+
     def native_weights(self, layer: nn.Module) -> NativeWeights | None:
         """The weight as GGUF-kernel matrices, whose products equal `apply`'s (without the
         bias); None where this method has no such form."""

@@ -2,11 +2,13 @@
 `onednn_linear.enabled` (a CPU device)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers import onednn_linear
+from worker.layers import bf16_linear, onednn_linear
 from worker.layers.quantization.base import (
     EmbeddingMethodBase,
     FusedMoEMethodBase,
@@ -20,32 +22,60 @@ from worker.native.fused_moe import bind_stacked
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """`weight` [out_per_rank, in_per_rank] in the compute dtype, packed after loading.
+    """`weight` [out_per_rank, in_per_rank] in the compute dtype, packed for oneDNN after
+    loading, with two routes for a 16-bit weight on a CPU (bf16_linear.py says when):
 
-    A bfloat16 or float16 weight (K a multiple of 32, the GGUF library built) multiplies up
-    to DENSE_ROWS rows (decode) through gguf_matmul's direct driver on its plain rows
-    (`weight_rows`): each weight widened to float32 in registers, float32 sums, rounded to the
-    compute dtype, as oneDNN's 16-bit product does up to summation order, but read at memory
-    speed (oneDNN's bf16 product at one row read ~17 GB/s here, benchmarks/bench_moe_kernel.py).
-    More rows go to oneDNN's packed copy, so where oneDNN packs, a 16-bit layer holds its
-    weight twice (plain and packed); DELTASERVE_ONEDNN=0 keeps the plain one only."""
+    - `weight_rows`, the plain rows of a bfloat16/float16 weight (K a multiple of 32, the GGUF
+      library built), multiplied by gguf_matmul's dense driver: each weight widened to float32
+      in registers, float32 sums, read at memory speed (oneDNN's bf16 product at one row read
+      ~17 GB/s here). It takes up to `dense_rows` rows: every row count where this CPU's bf16
+      products are slower than its float32 FMAs (then no packed bf16 copy is made), else up
+      to DENSE_ROWS where oneDNN does not pack the weight.
+    - `weight_float32`, a packed float32 copy of a bfloat16 weight, for FLOAT32_ROWS rows and
+      more where float32 FMAs outrun bf16 products; the layer then takes and returns float32.
+
+    A weight is held once, or twice (its bf16 bytes and the float32 copy's) on the float32
+    route; `DELTASERVE_BF16_LINEARS=bfloat16` keeps one copy."""
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         layer.weight = parameter(torch.empty(out_per_rank, in_per_rank), ShardDims())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
+        layer.weight_float32 = bf16_linear.float32_copy(weight)
         layer.dense_ops = gguf_ops.dense_few_rows(weight)
         layer.weight_rows = weight if layer.dense_ops is not None else None
-        if onednn_linear.enabled(weight.device):
-            layer.weight = onednn_linear.packed_parameter(layer.weight)
+        layer.dense_rows = gguf_ops.DENSE_ROWS
+        if not onednn_linear.enabled(weight.device):
+            return
+        if layer.dense_ops is not None and bf16_linear.products_slow(weight.dtype):
+            layer.dense_rows = sys.maxsize
+            return
+        layer.weight = onednn_linear.packed_parameter(layer.weight)
+        if layer.weight.is_mkldnn:  # one copy: oneDNN's serves every row count
+            layer.dense_ops = layer.weight_rows = None
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        if getattr(layer, "weight_float32", None) is not None:
+            return torch.float32
+        return layer.weight.dtype
+
+    def cache_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The weight's dtype (bfloat16 keeps its KV cache when multiplied in float32)."""
+        return layer.weight.dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight_float32 = getattr(layer, "weight_float32", None)
         ops = getattr(layer, "dense_ops", None)
-        if ops is not None and x.dim() == 2 and x.shape[0] <= gguf_ops.DENSE_ROWS:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (ops is not None and x.dim() == 2 and rows <= layer.dense_rows
+                and (weight_float32 is None or rows < bf16_linear.FLOAT32_ROWS)):
             y = ops.dense_matmul(x.float(), layer.weight_rows)
-            return (y if bias is None else y.add_(bias)).to(x.dtype)
+            y = y if bias is None else y.add_(bias)
+            return y if weight_float32 is not None else y.to(x.dtype)
+        if weight_float32 is not None:
+            return bf16_linear.linear(x, layer.weight, weight_float32, bias)
         return onednn_linear.linear(x, layer.weight, bias)
 
 
@@ -72,8 +102,9 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
     table is packed for oneDNN on a CPU (`weight_float32`). A bfloat16 or float16 table on a
     CPU with the GGUF library is multiplied as it is (its weights widened to float32 in
     registers, float32 sums: the float32 copy's values, reading half the bytes); elsewhere
-    `weight_float32` is a float32 copy. `weight` stays the dense table a tied embedding
-    shares."""
+    `weight_float32` is a float32 copy. A bfloat16 table where float32 FMAs outrun bf16
+    products (bf16_linear.py) also gets the packed float32 copy, used from FLOAT32_ROWS rows.
+    `weight` stays the dense table a tied embedding shares."""
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
         _vocab_table(layer, in_per_rank, out_per_rank)
@@ -83,6 +114,7 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
         layer.dense_ops = None
         if (ops := gguf_ops.dense_few_rows(table)) is not None:
             layer.dense_ops = ops
+            layer.weight_float32 = bf16_linear.float32_copy(table)
             return
         weight = table.float()
         layer.weight_float32 = (onednn_linear.pack(weight)
@@ -92,6 +124,10 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] -> [n, rows_per_rank] float32."""
         if layer.dense_ops is not None:
+            rows = x.numel() // x.shape[-1]
+            if layer.weight_float32 is not None and rows >= bf16_linear.FLOAT32_ROWS:
+                return onednn_linear.linear(x.float(), layer.weight_float32,
+                                            None if bias is None else bias.float())
             logits = layer.dense_ops.dense_matmul(x.float(), layer.weight.data)
             return logits if bias is None else logits.add_(bias)
         return onednn_linear.linear(x.float(), layer.weight_float32, bias)

@@ -1,0 +1,121 @@
+"""How a bfloat16 linear multiplies on this CPU: bf16 products (oneDNN's `vdpbf16ps` or AMX
+kernels) or float32 FMAs on a float32 copy of the weight.
+
+Native bf16 is not always the faster multiply. On a Xeon with AVX512-BF16 but no AMX granted,
+`vdpbf16ps zmm` issues once per two cycles (32 multiply-adds) where `vfmadd231ps zmm` issues
+twice per cycle (2 x 16): float32 FMA does twice the multiply-adds per cycle, and oneDNN's
+packed float32 linears ran 1.5-1.9x faster than its bf16 ones from 32 rows up (demo model
+shapes, 2 threads). Below that the weights' bytes dominate, and bf16 (half of them) wins.
+So, where float32 is measured faster, a bf16 linear keeps its packed bf16 weight for small row
+counts and adds a packed float32 copy for `FLOAT32_ROWS` rows and more, taking and returning
+float32 activations (the layers around it then run in float32: the model's bf16 KV cache and
+attention are unchanged). Results are x · W.float()ᵀ in float32, closer to the float32 model
+than bf16 products of rounded activations.
+
+`route()` decides once per process: `DELTASERVE_BF16_LINEARS=float32|bfloat16` forces it,
+else a short probe times oneDNN's packed bf16 and float32 products on one cache-resident
+shape on one thread, interleaved, best of several, and takes float32 where it is `PROBE_MARGIN` x faster
+(here 1.8x; with AMX granted bf16 is several times faster, so the answer is not close on
+either kind of host).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+
+from worker.layers import onednn_linear
+
+logger = logging.getLogger("deltaserve")
+
+ENV_SWITCH = "DELTASERVE_BF16_LINEARS"
+FLOAT32, BFLOAT16 = "float32", "bfloat16"
+FLOAT32_ROWS = 32  # rows from which the float32 copy multiplies (below: the bf16 weight)
+PROBE_MARGIN = 1.3
+_PROBE_SHAPE = (128, 512, 256)  # m, n, k: 16.8M multiply-adds, weights 256 KiB in bf16
+_PROBE_ROUNDS = 5
+
+
+def route() -> str:
+    """FLOAT32 or BFLOAT16 (see the module docstring); BFLOAT16 without oneDNN packing."""
+    forced = os.environ.get(ENV_SWITCH, "").strip()
+    if forced:
+        if forced not in (FLOAT32, BFLOAT16):
+            raise ValueError(f"{ENV_SWITCH} must be {FLOAT32} or {BFLOAT16}, got {forced!r}")
+        return forced
+    if not onednn_linear.enabled(torch.device("cpu")):
+        return BFLOAT16
+    return _measured()
+
+
+@functools.cache
+def _measured() -> str:
+    bf16_s, f32_s = _probe()
+    chosen = FLOAT32 if bf16_s > PROBE_MARGIN * f32_s else BFLOAT16
+    logger.info("bf16 linears: packed bf16 %.0f us, float32 %.0f us per probe product: %s "
+                "from %d rows%s", bf16_s * 1e6, f32_s * 1e6, chosen, FLOAT32_ROWS,
+                " (a float32 copy beside each bf16 weight; DELTASERVE_BF16_LINEARS=bfloat16 "
+                "keeps one copy)" if chosen == FLOAT32 and not os.environ.get(ENV_SWITCH) else "")
+    return chosen
+
+
+def products_slow(dtype: torch.dtype) -> bool:
+    """Whether this CPU's bf16 products (oneDNN's) measured PROBE_MARGIN x slower than its
+    float32 FMAs, whatever DELTASERVE_BF16_LINEARS forces: a bf16 weight then multiplies as
+    float32 on its own rows (gguf_matmul's dense driver) rather than through oneDNN's bf16."""
+    return (dtype == torch.bfloat16 and onednn_linear.enabled(torch.device("cpu"))
+            and _measured() == FLOAT32)
+
+
+def _probe() -> tuple[float, float]:
+    """Best seconds per product of oneDNN's packed bf16 and float32 linears, interleaved, on
+    one thread (two threads on a shared, loaded host measured barrier waits, not products)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_products()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_products() -> tuple[float, float]:
+    m, n, k = _PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    cases = [(x.bfloat16(), onednn_linear.pack(w.bfloat16())), (x, onednn_linear.pack(w))]
+    best = [float("inf")] * 2
+    for _ in range(_PROBE_ROUNDS):
+        for i, (xi, wi) in enumerate(cases):
+            onednn_linear.linear(xi, wi)
+            start = time.perf_counter()
+            for _ in range(3):
+                onednn_linear.linear(xi, wi)
+            best[i] = min(best[i], (time.perf_counter() - start) / 3)
+    return best[0], best[1]
+
+
+def float32_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed float32 copy a bf16 [out, in] weight multiplies with from FLOAT32_ROWS rows
+    on this CPU, or None where bf16 products are kept (another dtype, not the CPU, no oneDNN,
+    or `route()` says BFLOAT16)."""
+    if (weight.dtype != torch.bfloat16 or not onednn_linear.enabled(weight.device)
+            or route() != FLOAT32):
+        return None
+    packed = onednn_linear.pack(weight.detach().float())
+    return packed if packed.is_mkldnn else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_float32: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] (any float dtype) -> x Wᵀ + b [..., out] float32: the float32 copy from
+    FLOAT32_ROWS rows, the (packed) bf16 weight below."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows >= FLOAT32_ROWS:
+        return onednn_linear.linear(x.float(), weight_float32,
+                                    None if bias is None else bias.float())
+    out = onednn_linear.linear(x.to(weight.dtype), weight, bias)
+    return out.float()
