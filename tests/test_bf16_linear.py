@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import hf_greedy, model_dir_for
-from test_compute_dtype import BF16_TIE, MAX_NEW
-from test_model_runner import PROMPTS, generate
+from model_utils import model_dir_for
+from test_compute_dtype import check_bf16_greedy_follows_float32
 
 from protocol import EngineConfig
 from worker.device import ENV_OVERRIDE
@@ -101,15 +100,4 @@ def test_greedy_follows_float32(model_dir, monkeypatch, route):
     one-request decode rows the bf16 weights)."""
     monkeypatch.setenv(ENV_OVERRIDE, "1")
     monkeypatch.setenv(bf16_linear.ENV_SWITCH, route)
-    prompts = PROMPTS["mixed"]
-    ours, _ = generate(model_dir, prompts, dtype="bfloat16")
-    refs = hf_greedy(model_dir, prompts, MAX_NEW)
-    exact = 0
-    for i, (tokens, ref) in enumerate(zip(ours, refs)):
-        pos = next((p for p, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), None)
-        if pos is None:
-            exact += 1
-            continue
-        gap = float(ref.logits[pos][ref.tokens[pos]] - ref.logits[pos][tokens[pos]])
-        assert gap < BF16_TIE, f"request {i}: token {pos} left float32's on a gap of {gap:.3g}"
-    assert exact >= len(prompts) // 2
+    check_bf16_greedy_follows_float32(model_dir)

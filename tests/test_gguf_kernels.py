@@ -132,14 +132,17 @@ def test_dense_weights_match_their_float_values(ops, dtype, m, n, blocks):
         ops.dense_matmul(torch.randn(m, 40), torch.randn(n, 40).to(dtype))
 
 
-def test_bf16_lm_head_reads_its_table(ops):
-    """A bf16 LM head multiplies its own table (no float32 copy): the copy's logits."""
+def test_bf16_lm_head_reads_its_table(ops, monkeypatch):
+    """A bf16 LM head on the bfloat16 route multiplies its own table (no float32 copy): the
+    copy's logits."""
     from worker.distributed.tensor_parallel import TensorParallel
+    from worker.layers import bf16_linear
     from worker.layers.vocab_embedding import ParallelLMHead
+    monkeypatch.setenv(bf16_linear.ENV_SWITCH, bf16_linear.BFLOAT16)
     head = ParallelLMHead(300, 64, TensorParallel())
     head.weight.data = torch.randn(head.weight.shape).bfloat16()
     head.quant_method.process_weights_after_loading(head)
-    assert head.dense_ops is not None and not hasattr(head, "weight_float32")
+    assert head.dense_ops is not None and head.weight_float32 is None
     x = torch.randn(3, 64).bfloat16()
     got = head.compute_logits(x)
     assert got.dtype == torch.float32 and got.shape == (3, 300)
