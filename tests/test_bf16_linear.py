@@ -101,3 +101,27 @@ def test_greedy_follows_float32(model_dir, monkeypatch, route):
     monkeypatch.setenv(ENV_OVERRIDE, "1")
     monkeypatch.setenv(bf16_linear.ENV_SWITCH, route)
     check_bf16_greedy_follows_float32(model_dir)
+
+
+def _route_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 0 forced to the float32 route, rank 1 to bf16 (as a rank on a loaded CPU could
+    measure): after `agree` both take bf16, the route every rank can take."""
+    import os
+
+    from worker.distributed.tensor_parallel import TensorParallel
+    os.environ[bf16_linear.ENV_SWITCH] = (bf16_linear.FLOAT32, bf16_linear.BFLOAT16)[rank]
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"))
+    own = bf16_linear.route()
+    bf16_linear.agree(tp)
+    torch.save([own, bf16_linear.route()], os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def test_tensor_parallel_ranks_agree_on_one_route(tmp_path):
+    """A TP=2 group whose ranks measured differently once summed float32 activations with
+    bf16 ones in gloo and aborted; `agree` gives every rank the same route."""
+    from test_shm_all_reduce import _run_group
+    per_rank = _run_group(tmp_path, _route_rank)
+    assert [own for own, _ in per_rank] == [bf16_linear.FLOAT32, bf16_linear.BFLOAT16]
+    assert [agreed for _, agreed in per_rank] == [bf16_linear.BFLOAT16] * 2

@@ -16,6 +16,7 @@ from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
+from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
 from worker.models.loader import load_model, weights_summary
@@ -68,6 +69,8 @@ class ModelRunner:
                             or config.speculative_config is not None,
                             tensor_parallel=self.tp.world_size > 1)
             prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
+        if self.device.type == "cpu" and self.tp.world_size > 1:
+            bf16_linear.agree(self.tp)  # every rank's bf16 linears on one route
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization,

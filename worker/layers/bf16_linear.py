@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers import onednn_linear
 
 logger = logging.getLogger("deltaserve")
@@ -40,7 +41,12 @@ _PROBE_ROUNDS = 5
 
 
 def route() -> str:
-    """FLOAT32 or BFLOAT16 (see the module docstring); BFLOAT16 without oneDNN packing."""
+    """FLOAT32 or BFLOAT16 (see the module docstring); BFLOAT16 without oneDNN packing. Where
+    `agree` has run, the tensor-parallel group's answer."""
+    return _agreed[0] if _agreed else _own_route()
+
+
+def _own_route() -> str:
     forced = os.environ.get(ENV_SWITCH, "").strip()
     if forced:
         if forced not in (FLOAT32, BFLOAT16):
@@ -48,11 +54,26 @@ def route() -> str:
         return forced
     if not onednn_linear.enabled(torch.device("cpu")):
         return BFLOAT16
-    return _measured()
+    return _probed()
+
+
+_agreed: list[str] = []  # the tensor-parallel group's answer, once `agree` has run
+
+
+def agree(tp: TensorParallel) -> None:
+    """Tensor-parallel ranks must multiply alike (the all-reduces sum activations of the
+    route's dtype, and a rank on a loaded CPU can measure otherwise): the group takes the
+    float32 route only where every rank measured it faster. Every rank calls this once."""
+    own = _own_route()
+    votes = tp.all_reduce(torch.tensor([1.0 if own == FLOAT32 else 0.0]))
+    _agreed[:] = [FLOAT32 if int(votes.item()) == tp.world_size else BFLOAT16]
+    if _agreed[0] != own:
+        logger.info("bf16 linears: rank %d measured %s; the tensor-parallel group takes %s",
+                    tp.rank, own, _agreed[0])
 
 
 @functools.cache
-def _measured() -> str:
+def _probed() -> str:
     bf16_s, f32_s = _probe()
     chosen = FLOAT32 if bf16_s > PROBE_MARGIN * f32_s else BFLOAT16
     logger.info("bf16 linears: packed bf16 %.0f us, float32 %.0f us per probe product: %s "
@@ -67,7 +88,7 @@ def products_slow(dtype: torch.dtype) -> bool:
     float32 FMAs, whatever DELTASERVE_BF16_LINEARS forces: a bf16 weight then multiplies as
     float32 on its own rows (gguf_matmul's dense driver) rather than through oneDNN's bf16."""
     return (dtype == torch.bfloat16 and onednn_linear.enabled(torch.device("cpu"))
-            and _measured() == FLOAT32)
+            and _probed() == FLOAT32)
 
 
 def _probe() -> tuple[float, float]:
