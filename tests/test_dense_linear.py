@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from a8_utils import load_ops
 
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers import bf16_linear, onednn_linear
 from worker.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from worker.native import build as native_build
 from worker.native import gguf_ops
 
 U = 2.0 ** -24  # float32 unit roundoff
@@ -20,10 +20,7 @@ U = 2.0 ** -24  # float32 unit roundoff
 
 @pytest.fixture(scope="module")
 def ops() -> gguf_ops.GgufOps:
-    try:
-        return gguf_ops.load()
-    except native_build.CompilerUnavailable as e:
-        pytest.skip(f"no C++ compiler: {e}")
+    return load_ops()
 
 
 @pytest.fixture
