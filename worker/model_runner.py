@@ -64,13 +64,8 @@ class ModelRunner:
                            "dense weights only", self.quantization, config.dtype)
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
-        if self.device.type == "cpu":  # every kernel it uses compiled now, never in a step
-            use = KernelUse(experts=self.model_config.moe is not None
-                            or config.speculative_config is not None,
-                            tensor_parallel=self.tp.world_size > 1)
-            prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
-        if self.device.type == "cpu" and self.tp.world_size > 1:
-            bf16_linear.agree(self.tp)  # every rank's bf16 linears on one route
+        if self.device.type == "cpu":
+            self._prepare_cpu(config)
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization,
@@ -126,6 +121,16 @@ class ModelRunner:
             self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
                                            self.input_batch, self.tp.rank == 0, selects)
             self.output_rows = self.output_head.rows_needed
+
+    def _prepare_cpu(self, config: EngineConfig) -> None:
+        """Before the model loads: every kernel it uses compiled now (never in a step), and
+        at TP > 1 every rank's bf16 linears on one route (their sums share a dtype)."""
+        use = KernelUse(experts=self.model_config.moe is not None
+                        or config.speculative_config is not None,
+                        tensor_parallel=self.tp.world_size > 1)
+        prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
+        if self.tp.world_size > 1:
+            bf16_linear.agree(self.tp)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
