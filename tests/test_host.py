@@ -1,6 +1,7 @@
 """The host a CPU worker runs on (worker/host/): threads from the affinity mask and the cgroup
 quota divided among the ranks, vLLM's VLLM_CPU_OMP_THREADS_BIND, the team sized to the
-cores other processes leave free, and AMX only where Linux grants it."""
+cores other processes leave free, AMX only where Linux grants it, and the memory it can give
+(a cgroup limit's room)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from protocol import EngineConfig
-from worker.host import amx
+from worker.host import amx, memory
+from worker.host.cgroup import cgroup_memory_room
 from worker.host.setup import ranks_on_this_host
 from worker.host.team_size import (
     LoadMeter,
@@ -122,6 +124,45 @@ def test_cgroup_v1_quota_and_none(tmp_path):
     _write(tmp_path / "fs/cpu,cpuacct/cpu.cfs_period_us", "100000\n")
     assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "proc") == 2.0
     assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "missing") is None
+
+
+def test_cgroup_v2_memory_room_is_the_tightest_on_the_path(tmp_path):
+    """Room = limit - (usage - inactive file cache), the smallest on the path."""
+    _write(tmp_path / "proc", "0::/machine/job\n")
+    _write(tmp_path / "fs/memory.max", "max\n")
+    _write(tmp_path / "fs/machine/memory.max", f"{8 << 30}\n")
+    _write(tmp_path / "fs/machine/memory.current", f"{6 << 30}\n")
+    _write(tmp_path / "fs/machine/memory.stat", f"anon 1\ninactive_file {1 << 30}\n")
+    _write(tmp_path / "fs/machine/job/memory.max", f"{4 << 30}\n")
+    _write(tmp_path / "fs/machine/job/memory.current", f"{1 << 30}\n")
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "proc") == 3 << 30
+    _write(tmp_path / "fs/machine/job/memory.max", "max\n")
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "proc") == 3 << 30  # 8 - (6 - 1)
+    _write(tmp_path / "fs/machine/memory.max", "max\n")
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "proc") is None
+
+
+def test_cgroup_v1_memory_room_and_none(tmp_path):
+    _write(tmp_path / "proc", "4:memory:/docker/abc\n3:cpu,cpuacct:/\n")
+    job = tmp_path / "fs/memory/docker/abc"
+    _write(job / "memory.limit_in_bytes", f"{2 << 30}\n")
+    _write(job / "memory.usage_in_bytes", f"{1 << 30}\n")
+    _write(job / "memory.stat", f"cache 5\ntotal_inactive_file {1 << 29}\n")
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "proc") == (1 << 30) + (1 << 29)
+    _write(job / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "proc") is None
+    assert cgroup_memory_room(tmp_path / "fs", tmp_path / "missing") is None
+
+
+def test_available_memory_takes_the_smallest_figure(monkeypatch):
+    monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
+    free, source = memory.available_memory()
+    assert free > 0 and source
+    monkeypatch.setenv(memory.LIMIT_ENV, str(1 << 20))
+    assert memory.available_memory() == (1 << 20, memory.LIMIT_ENV)
+    monkeypatch.setenv(memory.LIMIT_ENV, "1G")
+    with pytest.raises(ValueError, match=memory.LIMIT_ENV):
+        memory.available_memory()
 
 
 def test_this_host_has_a_plan():

@@ -22,7 +22,8 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+
+from worker.host.cgroup import cgroup_cpu_quota
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _NO_BIND = ("", "auto", "all", "nobind")
@@ -94,52 +95,3 @@ def format_cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
         else:
             ranges.append(str(cpu))
     return ",".join(ranges)
-
-
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
-                     membership: Path = Path("/proc/self/cgroup")) -> float | None:
-    """CPUs this process's cgroup may use per period (the smallest quota on its path to the
-    root; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`/`cpu.cfs_period_us`); None for none."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
-    quotas = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one unified hierarchy
-            for base in (root, root / "unified"):
-                quotas += _walk(base, path, _v2_quota)
-        elif "cpu" in controllers.split(","):
-            quotas += _walk(root / controllers, path, _v1_quota)
-            if controllers != "cpu":
-                quotas += _walk(root / "cpu", path, _v1_quota)
-    return min(quotas) if quotas else None
-
-
-def _walk(base: Path, path: str, read) -> list[float]:
-    """The quotas set on `path` and its ancestors under `base` (a container sees its own
-    cgroup as the root: a path missing under `base` still has base's own files)."""
-    found, parts = [], [p for p in path.strip("/").split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        quota = read(base.joinpath(*parts[:depth]))
-        if quota is not None:
-            found.append(quota)
-    return found
-
-
-def _v2_quota(directory: Path) -> float | None:
-    try:
-        limit, _, period = (directory / "cpu.max").read_text().strip().partition(" ")
-        return None if limit == "max" else int(limit) / int(period or 100000)
-    except (OSError, ValueError):
-        return None
-
-
-def _v1_quota(directory: Path) -> float | None:
-    try:
-        limit = int((directory / "cpu.cfs_quota_us").read_text())
-        period = int((directory / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if limit <= 0 or period <= 0 else limit / period
