@@ -4,15 +4,20 @@ reference, and a bf16 model on that route (float32 activations around its linear
 weights and KV cache, greedy tokens that follow float32's up to bf16 near-ties)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from model_utils import model_dir_for
-from test_compute_dtype import check_bf16_greedy_follows_float32
+from model_utils import hf_greedy, model_dir_for
+from test_compute_dtype import MAX_NEW, assert_follows_float32, check_bf16_greedy_follows_float32
+from test_model_runner import PROMPTS
 
 from protocol import EngineConfig
 from worker.device import ENV_OVERRIDE
+from worker.host import memory
 from worker.layers import bf16_linear, onednn_linear
 from worker.model_runner import ModelRunner
+from worker.models import footprint
 
 pytestmark = pytest.mark.skipif(not onednn_linear.enabled(torch.device("cpu")),
                                 reason="no oneDNN packing (torch without it, or DELTASERVE_ONEDNN=0): "
@@ -93,14 +98,67 @@ def test_float32_route_layout(model_dir, monkeypatch):
         assert layer.dtype == torch.bfloat16 and layer.self_attn.qkv_proj.weight_float32 is None
 
 
-@pytest.mark.parametrize("route", [bf16_linear.FLOAT32, bf16_linear.BFLOAT16])
-def test_greedy_follows_float32(model_dir, monkeypatch, route):
-    """Both routes: every divergence from float32 greedy happens at a bf16-level near-tie of
-    float32's logits; most requests never diverge (prefill rows take the float32 copies,
-    one-request decode rows the bf16 weights)."""
+SMALL_HOST = {memory.LIMIT_ENV: str(64 << 10)}  # 64 KiB: the tiny model does not fit
+
+
+def _probed_float32() -> None:
+    if not bf16_linear.products_slow(torch.bfloat16):
+        pytest.skip("this CPU's bf16 products are not slower than its float32 FMAs: the "
+                    "probe never takes the float32 route")
+
+
+@pytest.mark.parametrize("env", [{bf16_linear.ENV_SWITCH: bf16_linear.FLOAT32},
+                                 {bf16_linear.ENV_SWITCH: bf16_linear.BFLOAT16}, SMALL_HOST],
+                         ids=["float32", "bfloat16", "small-host"])
+def test_greedy_follows_float32(model_dir, monkeypatch, env):
+    """Each route (forced, or bf16 on a host too small for the copies): every divergence from
+    float32 greedy happens at a bf16-level near-tie of float32's logits; most requests never
+    diverge (prefill rows take the float32 copies, one-request decode rows the bf16 weights)."""
     monkeypatch.setenv(ENV_OVERRIDE, "1")
-    monkeypatch.setenv(bf16_linear.ENV_SWITCH, route)
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     check_bf16_greedy_follows_float32(model_dir)
+
+
+def test_estimate_counts_the_float32_copies(model_dir, monkeypatch):
+    """What the memory check adds up is what the float32 route holds: one float32 weight per
+    weight of every linear layer and of the (tied) LM head."""
+    monkeypatch.setenv(ENV_OVERRIDE, "1")
+    monkeypatch.setenv(bf16_linear.ENV_SWITCH, bf16_linear.FLOAT32)
+    runner = _runner(model_dir)
+    copies = [m.weight_float32 for m in runner.model.modules()
+              if getattr(m, "weight_float32", None) is not None]
+    assert sum(c.numel() for c in copies) == footprint.linear_weights(runner.model_config)
+
+
+def test_a_small_host_keeps_one_copy(model_dir, monkeypatch, caplog):
+    """Where the copies do not fit beside the weights and KV cache in what the host can give,
+    the probed float32 route gives way to bf16 (one line says why); forcing float32 still
+    forces it, and with room the probe's answer stands."""
+    _probed_float32()
+    monkeypatch.setenv(ENV_OVERRIDE, "1")
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(memory.LIMIT_ENV, SMALL_HOST[memory.LIMIT_ENV])
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = _runner(model_dir)
+    assert "do not fit beside" in caplog.text and memory.LIMIT_ENV in caplog.text
+    assert bf16_linear.route() == bf16_linear.BFLOAT16
+    for layer in runner.model.model.layers:
+        assert layer.dtype == torch.bfloat16 and layer.self_attn.qkv_proj.weight_float32 is None
+    monkeypatch.setenv(bf16_linear.ENV_SWITCH, bf16_linear.FLOAT32)
+    assert _runner(model_dir).model.model.layers[0].self_attn.qkv_proj.weight_float32 is not None
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH)
+    monkeypatch.delenv(memory.LIMIT_ENV)
+    assert _runner(model_dir).model.model.layers[0].dtype == torch.float32
+
+
+def test_budget_fits_weights_copies_and_kv_cache():
+    budget = bf16_linear.CopiesBudget(copies=4 << 30, weights=2 << 30, kv_cache=1 << 30,
+                                      available=7 << 30, source="test")
+    assert budget.fits()
+    assert not bf16_linear.CopiesBudget(4 << 30, 2 << 30, 1 << 30, (7 << 30) - 1, "x").fits()
+    assert "4.00 GiB" in budget.describe() and "1.00 GiB of KV" in budget.describe() and "(test)" in budget.describe()
 
 
 def _route_rank(rank: int, init_method: str, out_dir: str) -> None:
@@ -125,3 +183,45 @@ def test_tensor_parallel_ranks_agree_on_one_route(tmp_path):
     per_rank = _run_group(tmp_path, _route_rank)
     assert [own for own, _ in per_rank] == [bf16_linear.FLOAT32, bf16_linear.BFLOAT16]
     assert [agreed for _, agreed in per_rank] == [bf16_linear.BFLOAT16] * 2
+
+
+def _budget_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """Neither rank forced; rank 0's host cannot hold the float32 copies, rank 1's can: the
+    group takes bf16 on both (where the probe says float32; else bf16 anyway)."""
+    import os
+
+    from worker.distributed.tensor_parallel import TensorParallel
+    os.environ.pop(bf16_linear.ENV_SWITCH, None)
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"))
+    budget = bf16_linear.CopiesBudget(copies=3 << 30, weights=1 << 30, kv_cache=1 << 30,
+                                      available=(4 << 30, 64 << 30)[rank], source="test")
+    agreed = bf16_linear.agree(tp, budget)
+    torch.save([budget.fits(), agreed, bf16_linear.route()], os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def test_tensor_parallel_ranks_agree_when_one_host_is_short(tmp_path):
+    from test_shm_all_reduce import _run_group
+    per_rank = _run_group(tmp_path, _budget_rank)
+    assert [fits for fits, _, _ in per_rank] == [False, True]
+    assert [agreed for _, agreed, _ in per_rank] == [bf16_linear.BFLOAT16] * 2
+    assert [route for _, _, route in per_rank] == [bf16_linear.BFLOAT16] * 2
+
+
+def test_tensor_parallel_engine_on_a_small_host(model_dir, monkeypatch, capfd):
+    """TP=2 workers each size the float32 copies against a host too small for them (each
+    says so), vote, and run the bf16 route: greedy tokens follow float32's as on one rank."""
+    from launch import LLM
+    from protocol import SamplingParams
+    monkeypatch.setenv(ENV_OVERRIDE, "1")
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(memory.LIMIT_ENV, SMALL_HOST[memory.LIMIT_ENV])
+    prompts = PROMPTS["mixed"]
+    with LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                            use_tqdm=False)
+    assert_follows_float32([o.outputs[0].token_ids for o in outs],
+                           hf_greedy(model_dir, prompts, MAX_NEW))
+    assert capfd.readouterr().err.count("do not fit beside") == 2  # one line per rank

@@ -14,11 +14,13 @@ from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
 from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
+from worker.host.memory import available_memory
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
+from worker.models import footprint
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.native.library import KernelUse
@@ -124,13 +126,35 @@ class ModelRunner:
 
     def _prepare_cpu(self, config: EngineConfig) -> None:
         """Before the model loads: every kernel it uses compiled now (never in a step), and
-        at TP > 1 every rank's bf16 linears on one route (their sums share a dtype)."""
+        the bf16 linears' route settled: one copy where the float32 copies would not fit,
+        and at TP > 1 one route for every rank (their sums share a dtype)."""
         use = KernelUse(experts=self.model_config.moe is not None
                         or config.speculative_config is not None,
                         tensor_parallel=self.tp.world_size > 1)
         prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
-        if self.tp.world_size > 1:
-            bf16_linear.agree(self.tp)
+        if self.dtype == torch.bfloat16 or self.tp.world_size > 1:
+            bf16_linear.agree(self.tp, self._copies_budget(config))
+
+    def _copies_budget(self, config: EngineConfig) -> bf16_linear.CopiesBudget | None:
+        """The whole model's bytes on this host should a bf16 model take float32 copies:
+        weights (bf16), copies (float32), every rank's KV cache (bf16) as the engine will
+        size it (no draft model counted)."""
+        if self.dtype != torch.bfloat16:
+            return None
+        model, ranks = self.model_config, self.tp.world_size
+        block_bytes = footprint.kv_block_bytes(model, self.block_size, ranks, 2)
+        try:
+            blocks = determine_num_blocks(
+                block_bytes, self.device,
+                max_useful=config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1,
+                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                num_gpu_blocks_override=config.num_gpu_blocks_override, world_size=ranks)
+        except ValueError:  # too small a budget: the allocation says so after loading
+            blocks = 0
+        available, source = available_memory()
+        return bf16_linear.CopiesBudget(
+            copies=4 * footprint.linear_weights(model), weights=2 * footprint.weights(model),
+            kv_cache=ranks * blocks * block_bytes, available=available, source=source)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

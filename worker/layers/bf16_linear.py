@@ -16,7 +16,10 @@ than bf16 products of rounded activations.
 else a short probe times oneDNN's packed bf16 and float32 products on one cache-resident
 shape on one thread, interleaved, best of several, and takes float32 where it is `PROBE_MARGIN` x faster
 (here 1.8x; with AMX granted bf16 is several times faster, so the answer is not close on
-either kind of host).
+either kind of host). The copies cost memory: a weight is then held in 3x its bf16 bytes.
+Before a model loads, `agree` takes the bfloat16 route instead where the whole model's
+copies would not fit in what the host can give beside its weights and KV cache (a
+`CopiesBudget`), and makes the ranks of a tensor-parallel group take one route.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +46,17 @@ _PROBE_ROUNDS = 5
 
 def route() -> str:
     """FLOAT32 or BFLOAT16 (see the module docstring); BFLOAT16 without oneDNN packing. Where
-    `agree` has run, the tensor-parallel group's answer."""
-    return _agreed[0] if _agreed else _own_route()
+    `agree` has run, its answer (while DELTASERVE_BF16_LINEARS is as it was then)."""
+    settled = _settled.get(_switch())
+    return settled if settled is not None else _own_route()
+
+
+def _switch() -> str:
+    return os.environ.get(ENV_SWITCH, "").strip()
 
 
 def _own_route() -> str:
-    forced = os.environ.get(ENV_SWITCH, "").strip()
+    forced = _switch()
     if forced:
         if forced not in (FLOAT32, BFLOAT16):
             raise ValueError(f"{ENV_SWITCH} must be {FLOAT32} or {BFLOAT16}, got {forced!r}")
@@ -57,19 +66,54 @@ def _own_route() -> str:
     return _probed()
 
 
-_agreed: list[str] = []  # the tensor-parallel group's answer, once `agree` has run
+@dataclass(frozen=True)
+class CopiesBudget:
+    """Bytes of the whole model on this host (all its ranks) should its bf16 linears take
+    the float32 route, and what the host can give."""
+
+    copies: int  # the float32 copies the route would add
+    weights: int  # the weights, still to load
+    kv_cache: int  # the KV cache the engine will allocate
+    available: int
+    source: str  # where `available` comes from (worker/host/memory.py)
+
+    def fits(self) -> bool:
+        return self.weights + self.copies + self.kv_cache <= self.available
+
+    def describe(self) -> str:
+        return (f"float32 copies of {_size(self.copies)} do not fit beside {_size(self.weights)} "
+                f"of weights and {_size(self.kv_cache)} of KV cache in {_size(self.available)} "
+                f"({self.source})")
 
 
-def agree(tp: TensorParallel) -> None:
-    """Tensor-parallel ranks must multiply alike (the all-reduces sum activations of the
-    route's dtype, and a rank on a loaded CPU can measure otherwise): the group takes the
-    float32 route only where every rank measured it faster. Every rank calls this once."""
+def _size(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+
+
+_settled: dict[str, str] = {}  # the DELTASERVE_BF16_LINEARS value `agree` ran under -> its route
+
+
+def agree(tp: TensorParallel, budget: CopiesBudget | None = None) -> str:
+    """This process's route, settled before its model loads (every rank calls this once):
+    its own (forced, or probed), bfloat16 where the probe's float32 route does not fit
+    `budget`, and at TP > 1 the group's. Tensor-parallel ranks must multiply alike (the
+    all-reduces sum activations of the route's dtype, and a rank on a loaded CPU can measure
+    otherwise): the group takes the float32 route only where every rank would."""
     own = _own_route()
-    votes = tp.all_reduce(torch.tensor([1.0 if own == FLOAT32 else 0.0]))
-    _agreed[:] = [FLOAT32 if int(votes.item()) == tp.world_size else BFLOAT16]
-    if _agreed[0] != own:
-        logger.info("bf16 linears: rank %d measured %s; the tensor-parallel group takes %s",
-                    tp.rank, own, _agreed[0])
+    if own == FLOAT32 and not _switch() and budget is not None and not budget.fits():
+        logger.info("bf16 linears: %s: bfloat16 (one copy; %s=float32 forces the copies)",
+                    budget.describe(), ENV_SWITCH)
+        own = BFLOAT16
+    chosen = own
+    if tp.world_size > 1:
+        votes = tp.all_reduce(torch.tensor([1.0 if own == FLOAT32 else 0.0]))
+        chosen = FLOAT32 if int(votes.item()) == tp.world_size else BFLOAT16
+        if chosen != own:
+            logger.info("bf16 linears: rank %d would take %s; the tensor-parallel group "
+                        "takes %s", tp.rank, own, chosen)
+    _settled.clear()
+    _settled[_switch()] = chosen
+    return chosen
 
 
 @functools.cache
