@@ -270,7 +270,7 @@ def test_new_prompts_per_step_fit_one_step_message(monkeypatch):
     prompts only up to MAX_NEW_PROMPT_TOKENS (one always goes), so no step message can
     outgrow what a worker accepts."""
     scheduler = make_scheduler()
-    monkeypatch.setattr("engine_core.sched.scheduler.MAX_NEW_PROMPT_TOKENS", 25)
+    monkeypatch.setattr("engine_core.sched.admission.MAX_NEW_PROMPT_TOKENS", 25)
     _add(scheduler, make_requests(5, num_tokens=10))
     counts = []
     while scheduler.waiting:
