@@ -37,7 +37,6 @@ from launch.entrypoints.openai.protocol import DetokenizeRequest, TokenizeReques
 from launch.entrypoints.openai.responses_store import ResponseStore
 from launch.entrypoints.openai.serving_chat import OpenAIServingChat
 from launch.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from launch.entrypoints.openai.serving_engine import json_response
 from launch.entrypoints.openai.serving_lora import (
     LoRAModulePath,
     OpenAIServingLoRA,
@@ -46,6 +45,7 @@ from launch.entrypoints.openai.serving_lora import (
 from launch.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from launch.entrypoints.openai.serving_responses import OpenAIServingResponses
 from launch.entrypoints.openai.serving_score import OpenAIServingScore
+from launch.entrypoints.openai.streaming import json_response
 from launch.metrics.prometheus import PrometheusStatLogger
 from launch.processing.chat_template import ChatTemplate
 

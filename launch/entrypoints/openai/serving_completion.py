@@ -15,9 +15,9 @@ from launch.entrypoints.openai.protocol import (
     read_body,
     sampling_params,
 )
-from launch.entrypoints.openai.serving_engine import (
+from launch.entrypoints.openai.serving_engine import OpenAIServing
+from launch.entrypoints.openai.streaming import (
     SSE_DONE,
-    OpenAIServing,
     merge,
     now,
     request_id,

@@ -1,6 +1,6 @@
 """What the completion and chat routes share: the engine, model names, preparing and bounding a
-request's prompts, submitting them, merging their streams, server-sent events and client
-disconnects.
+request's prompts, submitting them, collecting their outputs (streaming.py has what
+responses are made of: merged streams, disconnects, server-sent events).
 
 Work that grows with a request's size runs off the event loop, so one large request never
 stalls the other streams: tokenizing and chat-template rendering on one input thread (in
@@ -14,18 +14,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-import msgspec
-from fastapi import Request, Response
+from fastapi import Response
 
 from engine_core.structured_output.grammar_validator import GrammarBusyError
 from launch.async_llm import AsyncLLM
 from launch.entrypoints.openai.errors import APIError
+from launch.entrypoints.openai.streaming import json_response
 from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.errors import EngineDeadError
 from launch.outputs import RequestOutput, RequestOutputKind
@@ -37,7 +35,6 @@ from protocol.lora import LoRARequest
 
 logger = logging.getLogger("deltaserve")
 T = TypeVar("T")
-_END = object()
 # Per request (all prompts x n): the most output tokens it may ask for, and the most logprob
 # entries (tokens x (1 + logprobs)) its response may carry (~28 bytes of JSON each).
 MAX_RESPONSE_TOKENS = 1 << 22
@@ -219,102 +216,12 @@ class OpenAIServing:
             self.abort(streams)  # cancelled (a disconnect) or failed: free the engine's work
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from all streams as they come; aborts what is left unread."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, _END))
-        except BaseException as e:
-            queue.put_nowait((i, e))
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work` unless the client disconnects first (then cancel it; the caller's cleanup
-    aborts its requests). A disconnect is the ASGI `http.disconnect` after the body."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise APIError(499, "the client disconnected")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _constraint_param(processed: ProcessedInput) -> str | None:
     """The body field a 503 about a constraint names (as its 400 would)."""
     if processed.describe is None or processed.unchecked is None:
         return None
     refusal = processed.describe(StructuredOutputsError(processed.unchecked.kind, ""))
     return getattr(refusal, "param", None)
-
-
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-_encoder = msgspec.json.Encoder()
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + _encoder.encode(data) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(data), status_code=status, media_type="application/json")
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def stream_error(error: BaseException) -> bytes:
-    """The error event that ends a stream (then `[DONE]`): never a dropped connection."""
-    if isinstance(error, APIError):
-        return sse(error.body())
-    if isinstance(error, ValueError):
-        return sse(APIError.bad_request(error).body())
-    if isinstance(error, EngineDeadError):
-        return sse(APIError(503, f"the stream ended early: {error}").body())
-    logger.error("a stream failed", exc_info=error)
-    return sse(APIError(500, f"the stream ended early: internal error {error!r}").body())
 
 
 def _expected_entries(inputs: list[ProcessedInput]) -> int:

@@ -27,13 +27,8 @@ from launch.entrypoints.openai.pooling_protocol import (
 )
 from launch.entrypoints.openai.protocol import completion_prompts, read_body
 from launch.entrypoints.openai.serving_chat import OpenAIServingChat
-from launch.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    json_response,
-    now,
-    request_id,
-    until_disconnected,
-)
+from launch.entrypoints.openai.serving_engine import OpenAIServing
+from launch.entrypoints.openai.streaming import json_response, now, request_id, until_disconnected
 from launch.errors import EngineDeadError
 from launch.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from launch.processing.pooling import PooledInput

@@ -37,7 +37,7 @@ from launch.entrypoints.openai.responses_protocol import (
 )
 from launch.entrypoints.openai.responses_store import ResponseStore
 from launch.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from launch.entrypoints.openai.serving_engine import json_response
+from launch.entrypoints.openai.streaming import json_response
 from launch.outputs import CompletionOutput, RequestOutput
 
 # Chat-request fields as the Responses API names them, for error messages.

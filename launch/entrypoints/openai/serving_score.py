@@ -10,8 +10,8 @@ from fastapi import Request, Response
 from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.pooling_protocol import RerankRequest, ScoreRequest
 from launch.entrypoints.openai.protocol import read_body
-from launch.entrypoints.openai.serving_engine import json_response, now, request_id
 from launch.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from launch.entrypoints.openai.streaming import json_response, now, request_id
 from launch.processing.pooling import GENERATE_ONLY
 from launch.processing.scoring import ScoringPlan, plan_scoring
 

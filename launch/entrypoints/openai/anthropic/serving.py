@@ -29,7 +29,7 @@ from launch.entrypoints.openai.errors import APIError
 from launch.entrypoints.openai.output_items import ItemBuilder, ItemEvent, OutputItem, whole_items
 from launch.entrypoints.openai.protocol import read_body
 from launch.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from launch.entrypoints.openai.serving_engine import json_response, stream_error
+from launch.entrypoints.openai.streaming import json_response, stream_error
 from launch.entrypoints.openai.structured_outputs import Constraint
 from launch.outputs import CompletionOutput
 
