@@ -76,9 +76,10 @@ def smollm2_figures(smollm2_dense) -> tuple[float, float, float]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(strict=True, reason="issue 34's contract, NOT met by vLLM's per-token "
-                   "symmetric int8 activations on SmolLM2-135M: measured +5.9 % (28.291 -> "
-                   "29.953); per layer type alone +0.4..+0.5 % (o_proj -1.0 %), together "
-                   "+5.9 %; see /work/notes/issue-34-w8a8.md")
+                   "symmetric int8 activations on SmolLM2-135M even with load-time "
+                   "SmoothQuant: measured +2.8 % (28.291 -> 29.080; +5.9 % unsmoothed); the "
+                   "KL divergence from float32 falls 3.6x but this 208-token text's perplexity "
+                   "moves -0.3..+2.9 % over alpha 0.4..0.7; see /work/notes/issue-34-acc6.md")
 def test_smollm2_perplexity_within_one_percent(smollm2_figures):
     ppl_f32, ppl_w8, _ = smollm2_figures
     assert abs(ppl_w8 - ppl_f32) <= 0.01 * ppl_f32, (ppl_f32, ppl_w8)
@@ -86,11 +87,12 @@ def test_smollm2_perplexity_within_one_percent(smollm2_figures):
 
 @pytest.mark.timeout(600)
 def test_smollm2_regression_floor(smollm2_figures):
-    """Below the contract, above what was measured: perplexity within 8 % of float32 and
-    next-token argmax agreement at least 85 % (measured +5.9 %, 89.9 %)."""
+    """Below the contract, above what was measured with smoothing: perplexity within 4 % of
+    float32 and next-token argmax agreement at least 93 % (measured +2.8 %, 96.6 %;
+    unsmoothed +5.9 %, 89.9 %)."""
     ppl_f32, ppl_w8, agree = smollm2_figures
-    assert abs(ppl_w8 - ppl_f32) <= 0.08 * ppl_f32, (ppl_f32, ppl_w8)
-    assert agree >= 0.85, agree
+    assert abs(ppl_w8 - ppl_f32) <= 0.04 * ppl_f32, (ppl_f32, ppl_w8)
+    assert agree >= 0.93, agree
 
 
 @pytest.mark.timeout(300)
