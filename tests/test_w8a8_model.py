@@ -97,8 +97,9 @@ def test_smollm2_regression_floor(smollm2_figures):
 
 @pytest.mark.timeout(300)
 def test_native_layer_loop_takes_w8a8_layers(tmp_path):
+    # a tokenizer: the layers are smoothed (smoothing.py) before they are quantized
     model = make_tiny_model(str(tmp_path / "model"), hidden_size=128, intermediate_size=256,
-                            num_hidden_layers=3)
+                            num_hidden_layers=3, tokenizer=True)
     r = _runner(model, "w8a8", 512)
     assert _check_equal_to_loop(r) > 6
 
@@ -172,11 +173,11 @@ def test_tensor_parallel_two_ranks():
 @pytest.mark.timeout(900)
 def test_smollm2_greedy_agreement_on_32_chat_prompts(smollm2_dense):
     """The issue's contract is 28 of 32 prompts agreeing over all 32 tokens. It is NOT met:
-    measured 0 of 32 (agreed prefixes 0..21 tokens, median 6; gguf_a8's per-block
-    activations on the Q4_1 file: 8 of 32, median 17), what per-token int8 activations do
-    to this model (perplexity +5.9 %). Asserted as a regression floor, below the measured
-    figures: the median agreed prefix at least 4 tokens, the first token agreeing on at least
-    26 prompts."""
+    measured 1 of 32 with smoothing (agreed prefixes 0..32 tokens, median 10; 0 of 32,
+    median 6 without; gguf_a8's per-block activations on the Q4_1 file: 8 of 32, median
+    17), what per-token int8 activations do to this model. Asserted as a regression floor,
+    below the measured figures: the median agreed prefix at least 4 tokens, the first token
+    agreeing on at least 26 prompts."""
     # the converted directory has no chat template: the named model's (same tokenizer)
     template = ChatTemplate.from_model_dir(fetched_model("smollm2", "SmolLM2"))
     prompts = [template.render([{"role": "user", "content": f"Tell me about {t}."}])

@@ -71,3 +71,89 @@ def test_smoothing_changes_the_products_and_can_be_turned_off(tiny):
     assert not torch.equal(a[norm], b[norm])
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert a[qkv].dtype == torch.int8 and not torch.equal(a[qkv], b[qkv])
+
+
+def _record_smoothed(store: dict):
+    """A process_model_after_loading that smooths as W8A8Config does, then keeps copies of
+    layer 0's smoothed float weights and the layer objects' shards (for slicing)."""
+    def hook(self, model, tp, model_dir):
+        smoothing.smooth_model(model, tp, model_dir)
+        layer = model.model.layers[0]
+        store.update({name: p.detach().float().clone()
+                      for name, p in layer.named_parameters()})
+        attn, mlp = layer.self_attn, layer.mlp
+        store["shards"] = {part: attn.qkv_proj.output_shard(part) for part in "qkv"}
+        store["gate_up_shards"] = [mlp.gate_up_proj.output_shard(p) for p in (0, 1)]
+        store["o_cols"] = (attn.o_proj.in_start, attn.o_proj.in_per_rank)
+        store["down_cols"] = (mlp.down_proj.in_start, mlp.down_proj.in_per_rank)
+    return hook
+
+
+def _tp_rank(rank: int, init_method: str, model_dir: str, out: str) -> None:
+    """One rank of a w8a8 TP=2 group: its smoothed float weights (layer 0), and its native
+    layer loop against its Python loop (smoothed w8a8 layers)."""
+    import os
+
+    from test_native_layer_loop import _check_equal_to_loop
+
+    from worker.distributed.tensor_parallel import TensorParallel
+    torch.set_num_threads(1)
+    store: dict = {}
+    W8A8Config.process_model_after_loading = _record_smoothed(store)
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"), timeout_s=30.0)
+    r = ModelRunner(EngineConfig(model=model_dir, quantization="w8a8", max_model_len=512,
+                                 max_num_seqs=1, num_gpu_blocks_override=34,
+                                 tensor_parallel_size=2), tp)
+    store["rows"] = _check_equal_to_loop(r)
+    torch.save(store, os.path.join(out, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_smooth_their_shards_of_the_one_rank_weights(tmp_path,
+                                                                           monkeypatch):
+    """3 KV heads over 2 ranks (2 + 1, GQA groups of 2): each rank's smoothed weights are its
+    shards of the smoothed TP=1 weights (the norms' factors agree across ranks: the same
+    activations, the weight maxima gathered), and each rank's native loop equals its Python
+    loop with smoothed w8a8 layers."""
+    import multiprocessing
+    model = make_tiny_model(str(tmp_path / "m"), tokenizer=True, hidden_size=192,
+                            intermediate_size=384, num_attention_heads=6,
+                            num_key_value_heads=3, num_hidden_layers=2)
+    one: dict = {}
+    monkeypatch.setattr(W8A8Config, "process_model_after_loading", _record_smoothed(one))
+    ModelRunner(EngineConfig(model=model, quantization="w8a8", max_model_len=512,
+                             max_num_seqs=1, num_gpu_blocks_override=34))
+    context = multiprocessing.get_context("spawn")
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [context.Process(target=_tp_rank, args=(r, init, model, str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    close = dict(rtol=2e-5, atol=1e-6)
+    d, heads, kv = 32, 6, 3
+    qkv_starts = {"q": 0, "k": heads * d, "v": (heads + kv) * d}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["rows"] > 6
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            torch.testing.assert_close(got[norm], one[norm], **close)
+        qkv = got["self_attn.qkv_proj.weight"]
+        for part, (offset, rows, start) in got["shards"].items():
+            start += qkv_starts[part]
+            torch.testing.assert_close(qkv[offset:offset + rows],
+                                       one["self_attn.qkv_proj.weight"][start:start + rows],
+                                       **close)
+        gate_up, inter = got["mlp.gate_up_proj.weight"], 384
+        for p, (offset, rows, start) in enumerate(got["gate_up_shards"]):
+            start += p * inter
+            torch.testing.assert_close(gate_up[offset:offset + rows],
+                                       one["mlp.gate_up_proj.weight"][start:start + rows],
+                                       **close)
+        for name, (start, size) in (("self_attn.o_proj.weight", got["o_cols"]),
+                                    ("mlp.down_proj.weight", got["down_cols"])):
+            torch.testing.assert_close(got[name], one[name][:, start:start + size], **close)
