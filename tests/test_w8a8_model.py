@@ -1,5 +1,6 @@
 """`--quantization w8a8` on whole models: int8 weights per output channel, per-token int8
-activations (vLLM's CPU W8A8), the accuracy contract of an inexact mode.
+activations (vLLM's CPU W8A8), the weights smoothed at load (smoothing.py, its own tests in
+test_w8a8_smoothing.py), the accuracy contract of an inexact mode.
 
 - The demo model (bf16 checkpoint): perplexity on held-out Python (the demo model knows
   Python only) within 1 % of the float32 model's, next-token argmax agreement.
