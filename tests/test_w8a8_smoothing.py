@@ -33,7 +33,12 @@ def _spread(m: torch.Tensor) -> float:
 
 
 @pytest.mark.timeout(120)
-def test_smoothing_is_exact_in_float_and_flattens_an_outlier_channel(tiny, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: qkv bias; qwen3: q/k norms
+def test_smoothing_is_exact_in_float_and_flattens_an_outlier_channel(arch, tiny, tmp_path,
+                                                                     monkeypatch):
+    if arch != "llama":
+        tiny = make_tiny_model(str(tmp_path / arch), arch, tokenizer=True, hidden_size=128,
+                               intermediate_size=256, num_hidden_layers=3)
     seen = {}
 
     def around(self, model, tp, model_dir):
@@ -157,3 +162,19 @@ def test_tensor_parallel_ranks_smooth_their_shards_of_the_one_rank_weights(tmp_p
         for name, (start, size) in (("self_attn.o_proj.weight", got["o_cols"]),
                                     ("mlp.down_proj.weight", got["down_cols"])):
             torch.testing.assert_close(got[name], one[name][:, start:start + size], **close)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_models_of_another_shape_load_unsmoothed(arch, tmp_path, monkeypatch):
+    seen = []
+    original = smoothing.smooth_model
+
+    def counted(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr("worker.layers.quantization.w8a8.smooth_model", counted)
+    model = make_tiny_model(str(tmp_path / arch), arch, tokenizer=True, hidden_size=128,
+                            intermediate_size=256)
+    assert _runner(model).quantization == "w8a8" and seen == [0]

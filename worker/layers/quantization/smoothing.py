@@ -22,7 +22,7 @@ activations, per-channel int8 weights, the same kernels) do not change.
 Tensor parallelism: the calibration forward runs on each rank's shards with the same
 all-reduces as the model, so the norms' (replicated) activation maxima agree; their weight
 maxima are gathered over the ranks. v/o_proj and up/down_proj are rank-local.
-A model with layers of another shape (MoE MLPs, Gemma's norms, sliding windows) keeps its
+A model with layers of another shape (MoE MLPs, Gemma's norms and extra sublayers) keeps its
 weights as they are; `smoothing` off (--no-w8a8-smoothing) is for checkpoints that are smoothed already.
 """
 from __future__ import annotations
@@ -92,11 +92,11 @@ def _merge(parts: tuple[dict, ...]) -> dict:
 
 def _smoothable_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers, if every one is a pre-norm Llama-shaped layer (plain RMSNorms,
-    full causal attention, a gate/up/down MLP); else []."""
+    qkv/o attention, a gate/up/down MLP, nothing else); else []. (The folding is exact for
+    any such layer; the calibration forward, full causal attention, only sets the factors.)"""
     inner = getattr(model, "model", None)
     layers = list(getattr(inner, "layers", []))
-    if (not layers or not hasattr(inner, "embed_tokens") or not hasattr(inner, "rotary_of")
-            or any(getattr(model.config, "sliding_windows", None) or ())):
+    if not layers or not hasattr(inner, "embed_tokens") or not hasattr(inner, "rotary_of"):
         return []
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -105,8 +105,8 @@ def _smoothable_layers(model: nn.Module) -> list[nn.Module]:
         if (not all(hasattr(attn, n) for n in ("qkv_proj", "o_proj"))
                 or not all(hasattr(mlp, n) for n in ("gate_up_proj", "down_proj"))
                 or any(type(n) is not RMSNorm for n in norms)
-                or set(vars(layer)["_modules"]) != {"input_layernorm", "self_attn",
-                                                    "post_attention_layernorm", "mlp"}):
+                or {name for name, _ in layer.named_children()} != {
+                    "input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}):
             return []
     return layers
 
