@@ -16,6 +16,9 @@ per line (replies on the original stdout; llama.cpp's own output goes to stderr)
                                              exp of the mean NLL of ids[1:])
   prompts {prompts: [[token ids]]}        -> {seconds, tokens}   (each prompt evaluated from an
                                              empty KV state: prompt processing only)
+  greedy {model_path, prompts: [[ids]], max_tokens, n_threads} -> {tokens: [[ids]]}
+                                             (a second Llama, f32 KV: each prompt's argmax
+                                             continuation, no stop tokens)
   quit
 """
 from __future__ import annotations
@@ -136,8 +139,26 @@ def perplexity(model_path: str, ids: list[int], n_threads: int) -> dict:
     return {"perplexity": float(np.exp(nll))}
 
 
+def greedy(model_path: str, prompts: list[list[int]], max_tokens: int, n_threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=max(map(len, prompts)) + max_tokens + 8,
+                          n_threads=n_threads, type_k=0, type_v=0, logits_all=True,
+                          verbose=False)
+    outs = []
+    for ids in prompts:
+        llm.reset()
+        llm.eval(ids)
+        tokens: list[int] = []
+        for _ in range(max_tokens):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        outs.append(tokens)
+    return {"tokens": outs}
+
+
 OPS = {"init": init, "chat": chat, "complete": complete, "batch": batch, "prompts": prompts,
-       "perplexity": perplexity}
+       "perplexity": perplexity, "greedy": greedy}
 
 
 def main() -> None:

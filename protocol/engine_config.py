@@ -45,6 +45,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "weights (a GGUF file dequantized to float32); auto: gguf for a GGUF model (a .gguf "
         "file, smollm2, gemma3-270m), none otherwise. Quantized weights compute in float32",
         aliases=["-q"])] = "auto"
+    w8a8_smoothing: Annotated[bool, _opt(
+        "with --quantization w8a8, fold SmoothQuant factors (calibrated at load on a built-in "
+        "text) into the weights before quantizing them; turn off for a checkpoint that is "
+        "smoothed already")] = True
     max_model_len: Annotated[int | None, _opt(
         "longest sequence (prompt + output); default: the model's limit")] = None
     max_num_seqs: Annotated[int, _opt("most requests running at once")] = 256

@@ -166,9 +166,11 @@ def test_k_quants_take_the_a8_path_and_float_layers_stay_exact(tmp_path):
 @pytest.mark.timeout(900)
 def test_smollm2_greedy_agreement_on_32_chat_prompts(smollm2):
     """The issue's contract is 28 of 32 prompts agreeing over all 32 tokens. It is NOT met:
-    measured 8 of 32 (agreed prefixes 3..32 tokens, median 17), the drift llama.cpp's own
-    8-bit activations show on this file too (its greedy Q4_1 text leaves float32's after
-    35-205 characters). Asserted as a regression floor, below the measured figures: the
+    measured 8 of 32 (agreed prefixes 3..32 tokens, median 21), the drift llama.cpp's own
+    8-bit activations show on this file too (its Q4_1 path against its own float path on the
+    same weights: 9 of 32; benchmarks/bench_a8_accuracy.py). 28 of 32 needs a per-token
+    argmax agreement of 0.9958; measured 0.9688, and 0.978-0.992 with any one layer type alone
+    8-bit. Asserted as a regression floor, below the measured figures: the
     median agreed prefix at least 12 tokens and at least 6 prompts agreeing throughout."""
     template = ChatTemplate.from_model_dir(smollm2)
     prompts = [template.render([{"role": "user", "content": f"Tell me about {t}."}])

@@ -1,5 +1,6 @@
 """`--quantization w8a8` on whole models: int8 weights per output channel, per-token int8
-activations (vLLM's CPU W8A8), the accuracy contract of an inexact mode.
+activations (vLLM's CPU W8A8), the weights smoothed at load (smoothing.py, its own tests in
+test_w8a8_smoothing.py), the accuracy contract of an inexact mode.
 
 - The demo model (bf16 checkpoint): perplexity on held-out Python (the demo model knows
   Python only) within 1 % of the float32 model's, next-token argmax agreement.
@@ -76,9 +77,10 @@ def smollm2_figures(smollm2_dense) -> tuple[float, float, float]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(strict=True, reason="issue 34's contract, NOT met by vLLM's per-token "
-                   "symmetric int8 activations on SmolLM2-135M: measured +5.9 % (28.291 -> "
-                   "29.953); per layer type alone +0.4..+0.5 % (o_proj -1.0 %), together "
-                   "+5.9 %; see /work/notes/issue-34-w8a8.md")
+                   "symmetric int8 activations on SmolLM2-135M even with load-time "
+                   "SmoothQuant: measured +2.8 % (28.291 -> 29.080; +5.9 % unsmoothed); the "
+                   "KL divergence from float32 falls 3.3x but this 208-token text's perplexity "
+                   "moves -0.3..+2.9 % over alpha 0.4..0.7; see /work/notes/issue-34-acc6.md")
 def test_smollm2_perplexity_within_one_percent(smollm2_figures):
     ppl_f32, ppl_w8, _ = smollm2_figures
     assert abs(ppl_w8 - ppl_f32) <= 0.01 * ppl_f32, (ppl_f32, ppl_w8)
@@ -86,17 +88,19 @@ def test_smollm2_perplexity_within_one_percent(smollm2_figures):
 
 @pytest.mark.timeout(600)
 def test_smollm2_regression_floor(smollm2_figures):
-    """Below the contract, above what was measured: perplexity within 8 % of float32 and
-    next-token argmax agreement at least 85 % (measured +5.9 %, 89.9 %)."""
+    """Below the contract, above what was measured with smoothing: perplexity within 4 % of
+    float32 and next-token argmax agreement at least 93 % (measured +2.8 %, 96.6 %;
+    unsmoothed +5.9 %, 89.9 %)."""
     ppl_f32, ppl_w8, agree = smollm2_figures
-    assert abs(ppl_w8 - ppl_f32) <= 0.08 * ppl_f32, (ppl_f32, ppl_w8)
-    assert agree >= 0.85, agree
+    assert abs(ppl_w8 - ppl_f32) <= 0.04 * ppl_f32, (ppl_f32, ppl_w8)
+    assert agree >= 0.93, agree
 
 
 @pytest.mark.timeout(300)
 def test_native_layer_loop_takes_w8a8_layers(tmp_path):
+    # a tokenizer: the layers are smoothed (smoothing.py) before they are quantized
     model = make_tiny_model(str(tmp_path / "model"), hidden_size=128, intermediate_size=256,
-                            num_hidden_layers=3)
+                            num_hidden_layers=3, tokenizer=True)
     r = _runner(model, "w8a8", 512)
     assert _check_equal_to_loop(r) > 6
 
@@ -129,6 +133,9 @@ def test_cli_flag_reaches_the_engine_config():
     for flag in ("--quantization", "-q"):
         kwargs = engine_kwargs(parser.parse_args(["--model", DEMO, flag, "w8a8"]))
         assert EngineConfig(model=DEMO, **kwargs).quantization == "w8a8"
+        assert EngineConfig(model=DEMO, **kwargs).w8a8_smoothing
+    off = engine_kwargs(parser.parse_args(["--model", DEMO, "-q", "w8a8", "--no-w8a8-smoothing"]))
+    assert EngineConfig(model=DEMO, **off).w8a8_smoothing is False
 
 
 def _greedy(model: str, prompts: list, max_tokens: int, **engine) -> list[list[int]]:
@@ -170,11 +177,11 @@ def test_tensor_parallel_two_ranks():
 @pytest.mark.timeout(900)
 def test_smollm2_greedy_agreement_on_32_chat_prompts(smollm2_dense):
     """The issue's contract is 28 of 32 prompts agreeing over all 32 tokens. It is NOT met:
-    measured 0 of 32 (agreed prefixes 0..21 tokens, median 6; gguf_a8's per-block
-    activations on the Q4_1 file: 8 of 32, median 17), what per-token int8 activations do
-    to this model (perplexity +5.9 %). Asserted as a regression floor, below the measured
-    figures: the median agreed prefix at least 4 tokens, the first token agreeing on at least
-    26 prompts."""
+    measured 1 of 32 with smoothing (agreed prefixes 0..32 tokens, median 10; 0 of 32,
+    median 6 without; gguf_a8's per-block activations on the Q4_1 file: 8 of 32, median
+    17), what per-token int8 activations do to this model. Asserted as a regression floor,
+    below the measured figures: the median agreed prefix at least 4 tokens, the first token
+    agreeing on at least 26 prompts."""
     # the converted directory has no chat template: the named model's (same tokenizer)
     template = ChatTemplate.from_model_dir(fetched_model("smollm2", "SmolLM2"))
     prompts = [template.render([{"role": "user", "content": f"Tell me about {t}."}])

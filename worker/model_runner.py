@@ -71,7 +71,7 @@ class ModelRunner:
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device,
                                 self.tp, self.attention, self.max_model_len, self.quantization,
-                                config.convert)
+                                config.convert, config.w8a8_smoothing)
         self.weights_summary = weights_summary(self.model, self.quantization)
         self.kv_cache_spec = dataclasses.replace(
             self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)

@@ -49,21 +49,23 @@ GGUF_METHODS = ("gguf", "gguf_a8")  # the methods that keep a GGUF file's blocks
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, backend: AttentionBackend, max_positions: int,
-               quantization: str = "none", convert: str = "none") -> nn.Module:
+               quantization: str = "none", convert: str = "none",
+               w8a8_smoothing: bool = True) -> nn.Module:
     """The architecture's class from the registry, built on `device` and loaded, its weights
     as `quantization` (resolved: gguf, gguf_a8, int8, w8a8 or none) says.
 
     Floating-point parameters take `dtype`, except RMSNorm weights, which stay float32 (the
     norms compute in float32); buffers (the RoPE tables) stay float32, as in Hugging Face. Once
     every weight is loaded, each layer's weight method finishes its weights (e.g. packs them).
-    `convert` (embed, classify) makes it a pooling model (worker/models/pooling_adapter.py)."""
+    `convert` (embed, classify) makes it a pooling model (worker/models/pooling_adapter.py);
+    `w8a8_smoothing`: w8a8 folds SmoothQuant factors into the weights before quantizing."""
     cls = model_class(config.architecture)
     gguf_file = (GGUFCheckpoint(gguf_file_of(model_dir, config.hf["quantization_config"]))
                  if config.quantization == "gguf" else None)
     kept = (kept_tensors(gguf_file.types, gguf_file.shapes, cls.packed_modules)
             if gguf_file is not None and quantization in GGUF_METHODS else {})
     quant_config = _quant_config(quantization, kept, cls.packed_modules,
-                                 config.tie_word_embeddings)
+                                 config.tie_word_embeddings, w8a8_smoothing)
     with torch.device(device):
         model = cls(config, tp, backend, max_positions, quant_config)
         if convert != "none":
@@ -80,6 +82,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         if quantization in GGUF_METHODS:
             gguf_file.log_dequantized(kept)
         load_weights(model, gguf_file.weights(kept), gguf_file.path)
+    quant_config.process_model_after_loading(model, tp, model_dir)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -109,13 +112,13 @@ def weights_summary(model: nn.Module, quantization: str) -> str:
 
 
 def _quant_config(quantization: str, kept: dict, packed: dict[str, tuple[str, object]],
-                  tied: bool) -> QuantizationConfig:
+                  tied: bool, w8a8_smoothing: bool = True) -> QuantizationConfig:
     if quantization == "gguf":
         return GGUFConfig(kept, packed, tied)
     if quantization == "gguf_a8":
         return GGUFA8Config(kept, packed, tied)
     if quantization == "w8a8":
-        return W8A8Config()
+        return W8A8Config(smoothing=w8a8_smoothing)
     return Int8Config() if quantization == "int8" else UnquantizedConfig()
 
 

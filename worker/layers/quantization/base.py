@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from worker.distributed.tensor_parallel import TensorParallel
     from worker.native.gguf_matrix import GgufMatrix
 
 
@@ -151,6 +152,11 @@ class QuantizationConfig(ABC):
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         """The LM head's method (weights `[rows_per_rank, hidden]`); its `apply` returns
         float32 logits whatever the compute dtype."""
+
+    def process_model_after_loading(self, model: nn.Module, tp: TensorParallel,
+                                    model_dir: str) -> None:
+        """Runs once every weight is loaded, before the layers' methods finish theirs (e.g.
+        w8a8's smoothing, which rewrites float weights across layers). Default: nothing."""
 
     def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
         """A FusedMoE layer's method (`prefix`: the layer's name, e.g.

@@ -8,6 +8,9 @@ accuracy contract its tests check (perplexity, agreement with float32).
 Tensor parallelism: each rank quantizes its own share after loading, so a column-parallel
 layer's scales follow its rows and a row-parallel layer's rows get one scale per rank's part
 of K (as its activations do: each rank quantizes the tokens' part it holds, as in vLLM).
+Smoothing (smoothing.py, on unless --no-w8a8-smoothing): before quantization, SmoothQuant
+factors calibrated on a built-in text are folded into the float weights (norms, v and up rows),
+moving activation outliers into the weights; the run-time semantics stay vLLM's.
 The embedding and the LM head stay exact (vLLM leaves lm_head unquantized); a MoE layer's
 experts are weight-only int8 (Int8FusedMoEMethod: activations exact), there being no W8A8
 expert kernel. A rank whose K is not a multiple of 32 runs the torch reference.
@@ -17,12 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers.quantization.base import LinearMethodBase
 from worker.layers.quantization.int8 import (
     Int8Config,
     Int8LinearMethod,
     Int8Matrix,
 )
+from worker.layers.quantization.smoothing import smooth_model
 from worker.layers.quantization.unquantized import UnquantizedLMHeadMethod
 from worker.native import w8a8 as w8a8_ops
 
@@ -46,7 +51,17 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 
 class W8A8Config(Int8Config):
-    """Every linear layer W8A8; embedding and LM head dense; experts weight-only int8."""
+    """Every linear layer W8A8; embedding and LM head dense; experts weight-only int8.
+    `smoothing` (default on): SmoothQuant folded into the float weights at load
+    (smoothing.py); off for a checkpoint that is smoothed already."""
+
+    def __init__(self, smoothing: bool = True) -> None:
+        self.smoothing = smoothing
+
+    def process_model_after_loading(self, model: nn.Module, tp: TensorParallel,
+                                    model_dir: str) -> None:
+        if self.smoothing:
+            smooth_model(model, tp, model_dir)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         return W8A8LinearMethod()

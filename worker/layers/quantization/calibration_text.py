@@ -1,0 +1,41 @@
+"""The built-in calibration text of load-time smoothing (`--quantization w8a8`,
+worker/layers/quantization/smoothing.py): English prose and a little Python, written for
+this purpose. It is NOT the held-out text the accuracy tests and benchmarks evaluate on
+(tests/test_gguf_a8_model.py's ENGLISH and PYTHON): calibrating on the evaluation text would
+flatter the figures."""
+
+CALIBRATION_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. Seventy-two "
+    "steps led to the lamp room, and he counted them aloud, as his father had done before "
+    "him. From the gallery he could see the whole bay: the fishing boats coming home, the "
+    "gulls settling on the breakwater, the lights of the village blinking on one by one. "
+    "In winter the storms came from the north-east, and the waves broke over the rocks so "
+    "hard that the tower shook. He kept a logbook of every ship that passed, the weather, "
+    "the wind and the state of the sea, in a small and careful hand.\n\n"
+    "Photosynthesis is the process by which green plants use sunlight to turn water and "
+    "carbon dioxide into sugar and oxygen. It takes place mostly in the leaves, inside "
+    "tiny structures called chloroplasts, which contain the pigment chlorophyll. The sugar "
+    "feeds the plant's growth, and the oxygen is released into the air, where animals, "
+    "including people, breathe it in.\n\n"
+    "Q: What is the capital of Australia?\nA: The capital of Australia is Canberra, not "
+    "Sydney, although Sydney is the largest city.\n\n"
+    "To make a simple loaf, mix 500 grams of flour with a teaspoon of salt, seven grams of "
+    "dried yeast and about 320 millilitres of warm water. Knead for ten minutes, let it "
+    "rise for an hour, shape it, let it rise again, then bake at 220 degrees for 30 to 35 "
+    "minutes until it sounds hollow when tapped.\n\n"
+    "def word_counts(lines):\n"
+    "    \"\"\"Count how often each word occurs in an iterable of lines.\"\"\"\n"
+    "    counts = {}\n"
+    "    for line in lines:\n"
+    "        for word in line.lower().split():\n"
+    "            counts[word] = counts.get(word, 0) + 1\n"
+    "    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))\n\n\n"
+    "class Queue:\n"
+    "    def __init__(self):\n"
+    "        self.items = []\n\n"
+    "    def push(self, item):\n"
+    "        self.items.append(item)\n\n"
+    "    def pop(self):\n"
+    "        if not self.items:\n"
+    "            raise IndexError(\"pop from an empty queue\")\n"
+    "        return self.items.pop(0)\n")
