@@ -1,11 +1,20 @@
 // A decoder's layers over a few token rows in one call and one OpenMP parallel region: the
-// per-layer sequence of the Python layer loop (worker/models/llama.py, gemma3.py), each step a
-// call of the same kernel the loop would make, so the results are the loop's bit for bit. What
-// it saves is the loop's per-layer cost: ~9-13 ctypes calls, their allocations and parallel
-// regions. A layer is Llama's (norm, q/k/v, rotary, attention, o, norm, gate/up, silu, down)
-// or, where its optional parts are set, Gemma 3's: q/k head norms after q/k/v, a norm of the
-// attention output and of the MLP output before each is added, GELU-tanh, and its own rotary
-// table and KV group (block table, slots, sliding window).
+// per-layer sequence of the Python layer loop (worker/models/llama.py, gemma3.py, moe.py), each
+// step a call of the same kernel the loop would make, so the results are the loop's bit for
+// bit. What it saves is the loop's per-layer cost: ~9-13 ctypes calls, their allocations and
+// parallel regions. A layer is Llama's (norm, q/k/v, rotary, attention, o, norm, gate/up, silu,
+// down) or, where its optional parts are set, Gemma 3's: q/k head norms after q/k/v, a norm of
+// the attention output and of the MLP output before each is added, GELU-tanh, and its own
+// rotary table and KV group (block table, slots, sliding window).
+//
+// A mixture-of-experts layer (Layer::moe set) has, instead of gate/up/down, a router linear
+// (its logits made in the region), the routing of moe_routing.h (on one thread) and the fused
+// experts (fused_moe.cpp's entry point, which opens its own parallel region): so the region
+// ends before a MoE layer's experts and the next one starts after them (a Qwen3-MoE step runs
+// one region per layer). A bf16 MoE layer's norms round their output to bf16 (its compute
+// dtype: the experts and the dense-driver linears take those values as float32 rows), and a
+// 16-bit KV cache takes q/k/v rounded to its dtype and gives the attention output back in it,
+// widened to float32 for o_proj, as the Python layers and attention backend do.
 //
 // The kernels live in their own libraries (cpu_ops, gguf_matmul, cpu_paged_attention) and
 // are reached through the function pointers in Kernels. Each is called by every thread of
@@ -19,7 +28,8 @@
 //   pending  [m, hidden]          out: the last layer's MLP output, not yet added to residual
 //   h [m, hidden], qkv [m, (num_heads + 2 num_kv_heads) head_dim], attn [m, num_heads
 //   head_dim], gate_up [m, 2 intermediate], act [m, intermediate]: scratch
-//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 per layer
+//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] per layer, float32 or
+//   the 16-bit dtype of Model::cache_dtype
 //   Linear: W [N, K] as segments of output rows [start, stop), each a GGUF matrix (qtype,
 //   row bytes at w + r * w_stride); `scale` (may be null) multiplies output column n by
 //   scale[n] afterwards (weight-only int8's row scales).

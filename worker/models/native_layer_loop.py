@@ -6,9 +6,14 @@ the loop's bit for bit; the model falls back to the loop for anything it does no
 A model is taken when its decoder layers say what their norms are (`native_norms()`: Llama's
 two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
 (`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: the CPU,
-float32 compute, the native attention backend with a float32 cache, every linear layer with
-native weights (GGUF, int8), no biases, dense MLPs (a mixture-of-experts layer is not taken).
-Each layer attends through its own KV group (block table, slots, sliding window).
+float32 or bfloat16 layers, the native attention backend (a float32 or 16-bit KV cache),
+every linear layer with native weights (`native_weights()`: GGUF, int8, or a bf16 weight's
+plain rows where its method multiplies them by the dense driver into float32, for the row
+counts it does so: `max_rows`), no biases, and MLPs that are dense or a mixture-of-experts
+block that says how it runs natively (`native_moe()`: router, bound fused experts, top-k;
+Qwen3-MoE and Mixtral; a shared expert, as Qwen2-MoE's, is not taken). A bf16 layer's norms
+round to bf16 as the Python layer's do. Each layer attends through its own KV group (block
+table, slots, sliding window).
 
 Tensor parallelism: a rank runs its own shards (its query and KV heads as the loader split
 them, 3 KV heads over 2 ranks being 2 + 1, its share of the MLP), and the loop sums o_proj's
