@@ -201,6 +201,17 @@ def test_bf16_models_equal_the_python_loop(bf16_dir):
     assert r.model.model.native_loop.steps == 12  # 5 prefills up to 30 rows, 6 decodes, 1 mixed
 
 
+@pytest.mark.parametrize("arch,quantization", [("qwen3_moe", "int8"), ("mixtral", "w8a8")])
+def test_quantized_moe_models_equal_the_python_loop(tmp_path, arch, quantization):
+    """Weight-only int8 / w8a8 MoE models (float32 layers, int8 experts and router): the
+    experts between the regions, prefill chunks up to max_rows too (the kernel's grouped
+    products)."""
+    model_dir = make_tiny_model(str(tmp_path / "m"), arch, **MOE_SHAPES.get(arch, BF16_SHAPE))
+    r = runner(model_dir, quantization, max_model_len=512)
+    assert _check_equal_to_loop(r) > 6
+    assert r.model.model.native_loop.steps == 13
+
+
 def test_a_shared_expert_keeps_the_loop(tmp_path):
     """Qwen2-MoE (q/k/v biases, a shared expert with its gate): the Python loop."""
     r = bf16_runner(make_tiny_model(str(tmp_path / "m"), "qwen2_moe", **BF16_SHAPE))
