@@ -370,6 +370,24 @@ def test_tp2_engine_takes_the_native_loop_with_uneven_kv_heads(uneven_gguf, monk
 
 
 @pytest.mark.slow
+def test_tp2_engine_takes_the_native_loop_with_a_bf16_moe(uneven_moe_dir, monkeypatch, capfd):
+    """A bf16 Qwen3-MoE served at TP=2 by real worker processes: both ranks take the native
+    loop, and its tokens and log-probabilities are the Python loop's."""
+    if not bf16_linear.products_slow(torch.bfloat16):
+        pytest.skip("bf16 products are not slower than float32 FMAs here: bf16 linears "
+                    "multiply through oneDNN, which the native loop does not take")
+    monkeypatch.setenv("DELTASERVE_BF16_LINEARS", "float32")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(40, 70))},
+               {"prompt_token_ids": [42]}]
+    options = dict(max_model_len=256, num_gpu_blocks_override=64, dtype="bfloat16")
+    capfd.readouterr()
+    native = _greedy(uneven_moe_dir, 2, prompts, True, monkeypatch, **options)
+    _assert_both_ranks_took_it(capfd)
+    assert _greedy(uneven_moe_dir, 2, prompts, False, monkeypatch, **options) == native
+    assert "native layer loop" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
 def test_tp2_smollm2_takes_the_native_loop(monkeypatch, capfd):
     """The demo model (9 query heads, 3 KV heads: 6 + 3 and 2 + 1 per rank, Q4_1) at TP=2:
     the native loop's tokens and log-probabilities are the Python loop's."""
