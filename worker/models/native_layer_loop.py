@@ -45,6 +45,7 @@ from worker.layers.layernorm import RMSNorm
 from worker.layers.linear import LinearBase
 from worker.native import cpu_decoder
 from worker.native.cpu_decoder import (
+    MAX_EXPERTS,
     MAX_GROUPS,
     MAX_ROWS,
     MAX_SEGMENTS,
@@ -122,7 +123,8 @@ def _mlp(mlp: nn.Module, limits: list[int]) -> tuple[list, NativeMoe | None] | N
     native_moe = getattr(mlp, "native_moe", None)
     if native_moe is not None:
         moe = native_moe()
-        if moe is None or (router := _linear(moe.router, limits)) is None:
+        if (moe is None or moe.experts.num_experts > MAX_EXPERTS
+                or (router := _linear(moe.router, limits)) is None):
             return None
         return [Linear(), Linear(), router], moe
     if not hasattr(mlp, "gate_up_proj") or not mlp.down_proj.reduce_results:

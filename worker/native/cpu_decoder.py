@@ -24,6 +24,7 @@ logger = logging.getLogger("deltaserve")
 LIBRARY = NativeLibrary("cpu-decoder", "cpu_decoder.cpp")
 MAX_SEGMENTS = 4  # cpu_decoder.cpp's
 MAX_GROUPS = 8  # likewise: KV layer groups
+MAX_EXPERTS = 1024  # moe_routing.h's: the most experts a layer routes natively
 # The most token rows a call takes (the scratch rows a loop allocates): decode batches and
 # short prefill chunks, where the Python loop's per-layer calls weigh; above it the
 # arithmetic dwarfs them.
