@@ -6,6 +6,9 @@ no engine processes), one stream and 32 streams: each part timed by a wrapper ar
   experts          routing (select_experts) and the kernel; kernel apply: the kernel call
   qkv, o           the attention projections; attention: the paged-attention backend
   lm_head          the final logits; sampler, schedule, update: the engine's step pieces
+Those per-layer parts are timed in the Python layer loop (--python-loop, and wherever the native
+layer loop does not take the step: 32 bf16 streams); where the native loop runs, `forward` is
+its one call plus the embedding and final norm.
 
 Run: python benchmarks/bench_moe_step.py [--model-dir DIR] [--dtype bfloat16] [--streams 1 32]
 """
@@ -21,6 +24,7 @@ from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import SamplingParams
 from protocol import EngineConfig
 from worker.model_runner import ModelRunner
+from worker.models.native_layer_loop import NativeLayerLoop
 
 TIMERS = Timers()
 wrap, SECONDS = TIMERS.wrap, TIMERS.seconds
@@ -31,9 +35,11 @@ class _Backend:
         self.backend, self.forward = backend, forward
 
 
-def instrument(runner: ModelRunner) -> None:
+def instrument(runner: ModelRunner, layers: bool) -> None:
+    """Wraps the step's parts; with `layers` also each layer's (which keeps the model in the
+    Python layer loop: the native loop takes only the model's own attention backend)."""
     model, wrapped = runner.model, set()
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers else ():
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj.forward = wrap("qkv", attn.qkv_proj.forward)
         attn.o_proj.forward = wrap("o", attn.o_proj.forward)
@@ -57,7 +63,9 @@ def measure(args, streams: int) -> None:
     runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
                                       max_num_seqs=streams, num_gpu_blocks_override=512,
                                       num_threads=args.threads))
-    instrument(runner)
+    loop = None if args.python_loop else NativeLayerLoop.build(runner.model.model)
+    native = loop is not None and streams <= loop.max_rows
+    instrument(runner, layers=not native)
     sched = Scheduler(SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=4096,
                                       max_model_len=1024),
                       CacheConfig(16, runner.num_blocks, False))
@@ -77,7 +85,8 @@ def measure(args, streams: int) -> None:
     for _ in range(args.steps):
         step()
     total = time.perf_counter() - start
-    print(f"{streams} streams, {args.dtype}, {args.threads} threads: "
+    print(f"{streams} streams, {args.dtype}, {args.threads} threads, "
+          f"{'native' if native else 'Python'} layer loop: "
           f"{total / args.steps * 1e3:.2f} ms a step", flush=True)
     for name, seconds in SECONDS.most_common():
         print(f"  {name:28s} {seconds / args.steps * 1e3:8.3f} ms", flush=True)
@@ -90,6 +99,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--python-loop", action="store_true",
+                        help="time each layer's parts in the Python layer loop (by default "
+                             "the native loop runs where it takes the model: the layers' parts "
+                             "are then one call, not timed apart)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for streams in args.streams:

@@ -23,6 +23,7 @@ from launch.model_cache.gguf_model import materialize_gguf
 from protocol import EngineConfig
 from worker.attention.metadata import AttentionMetadata
 from worker.distributed.tensor_parallel import TensorParallel
+from worker.layers import bf16_linear
 from worker.model_runner import ModelRunner
 from worker.models.native_layer_loop import NativeLayerLoop
 from worker.native import cpu_decoder
@@ -163,6 +164,60 @@ def test_int8_model_equals_the_python_loop(float_dir):
     assert _check_equal_to_loop(r) > 6
 
 
+BF16_SHAPE = dict(num_hidden_layers=3, hidden_size=128)
+MOE_SHAPES = {"qwen3_moe": {**BF16_SHAPE, "mlp_only_layers": [1]}}  # sparse, dense, sparse
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "llama"])
+def bf16_dir(request, tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp(f"native-bf16-{request.param}") / "m"),
+                           request.param, **MOE_SHAPES.get(request.param, BF16_SHAPE))
+
+
+def bf16_runner(model_dir: str) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=model_dir, dtype="bfloat16", max_model_len=512,
+                                    max_num_seqs=1, num_gpu_blocks_override=34))
+
+
+def _taken_or_skip(model) -> NativeLayerLoop:
+    loop = NativeLayerLoop.build(model)
+    if loop is None and bf16_linear.route() != bf16_linear.FLOAT32:
+        pytest.skip("bf16 linears multiply in bf16 here (oneDNN): the native loop does not "
+                    "take them")
+    assert loop is not None, "the model should be taken"
+    return loop
+
+
+def test_bf16_models_equal_the_python_loop(bf16_dir):
+    """bf16 weights on the float32 route (dense driver rows, float32 outputs): a Qwen3-MoE
+    (sparse, dense and sparse layers: the experts between parallel regions, routed natively),
+    Mixtral, and a dense Llama; bf16-rounded norms before each MoE block, a bf16 KV cache.
+    Every hidden row and K/V slot equals the Python loop's."""
+    r = bf16_runner(bf16_dir)
+    loop = _taken_or_skip(r.model.model)
+    assert loop.max_rows < bf16_linear.FLOAT32_ROWS  # oneDNN's float32 copy from there
+    assert r.kv_caches[0][0].dtype == torch.bfloat16
+    assert _check_equal_to_loop(r) > 6
+    assert r.model.model.native_loop.steps == 12  # 5 prefills up to 30 rows, 6 decodes, 1 mixed
+
+
+@pytest.mark.parametrize("arch,quantization", [("qwen3_moe", "int8"), ("mixtral", "w8a8")])
+def test_quantized_moe_models_equal_the_python_loop(tmp_path, arch, quantization):
+    """Weight-only int8 / w8a8 MoE models (float32 layers, int8 experts and router): the
+    experts between the regions, prefill chunks up to max_rows too (the kernel's grouped
+    products)."""
+    model_dir = make_tiny_model(str(tmp_path / "m"), arch, **MOE_SHAPES.get(arch, BF16_SHAPE))
+    r = runner(model_dir, quantization, max_model_len=512)
+    assert _check_equal_to_loop(r) > 6
+    assert r.model.model.native_loop.steps == 13
+
+
+def test_a_shared_expert_keeps_the_loop(tmp_path):
+    """Qwen2-MoE (q/k/v biases, a shared expert with its gate): the Python loop."""
+    r = bf16_runner(make_tiny_model(str(tmp_path / "m"), "qwen2_moe", **BF16_SHAPE))
+    assert NativeLayerLoop.build(r.model.model) is None
+
+
 def test_unquantized_models_keep_the_loop(float_dir):
     """Dense float32 linear layers have no native weights: the loop runs them (oneDNN)."""
     r = runner(float_dir, "none", max_model_len=128)
@@ -197,18 +252,22 @@ def _tp_rank(rank: int, init_method: str, model_dir: str, quantization: str, out
     """One rank of a TP=2 group: its native loop against its Python loop, step by step (the
     peers' all-reduces pair up across both loops: the same sequence numbers). int8 ranks run
     a team of 2 threads (one of them sums, the team waits at the single's barrier)."""
-    torch.set_num_threads(2 if quantization == "int8" else 1)
+    torch.set_num_threads(2 if quantization in ("int8", "bf16") else 1)
     if quantization == "noshm":
         os.environ["DELTASERVE_SHM_ALLREDUCE"] = "0"
     tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"), timeout_s=30.0)
-    config = EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=1,
+    dtype = "bfloat16" if quantization == "bf16" else "auto"
+    quantization = {"noshm": "int8", "bf16": "none"}.get(quantization, quantization)
+    config = EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=1, dtype=dtype,
                           num_gpu_blocks_override=34, tensor_parallel_size=2,
-                          quantization="int8" if quantization == "noshm" else quantization)
+                          quantization=quantization)
     r = ModelRunner(config, tp)
     attn = r.model.model.layers[0].self_attn
     result = {"heads": (attn.num_heads, attn.num_kv_heads)}
-    if quantization == "noshm":
+    if config.quantization == "int8" and os.environ.get("DELTASERVE_SHM_ALLREDUCE") == "0":
         result["built"] = NativeLayerLoop.build(r.model.model) is not None
+    elif dtype == "bfloat16" and NativeLayerLoop.build(r.model.model) is None:
+        result["route"] = bf16_linear.route()
     else:
         result["rows"] = _check_equal_to_loop(r)
         result["steps"], result["seq"] = r.model.model.native_loop.steps, tp.shm.next_seq
@@ -242,6 +301,26 @@ def test_tensor_parallel_ranks_equal_their_python_loop(uneven_dir, uneven_float_
     assert [r["heads"] for r in ranks] == [(4, 2), (2, 1)]
     for r in ranks:
         assert r["rows"] > 6 and r["steps"] == 13  # 5 prefills, 6 decodes, 2 mixed
+    assert ranks[0]["seq"] == ranks[1]["seq"]
+
+
+@pytest.fixture(scope="module")
+def uneven_moe_dir(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("native-moe-tp") / "m"), "qwen3_moe",
+                           **{**UNEVEN, "mlp_only_layers": [1]})
+
+
+@pytest.mark.slow
+def test_tensor_parallel_bf16_moe_ranks_equal_their_python_loop(uneven_moe_dir, tmp_path):
+    """A bf16 Qwen3-MoE at TP 2, 3 KV heads split 2 + 1, each expert's intermediate split in
+    halves: each rank's native loop (the experts' partial sums reduced from inside the call,
+    as a dense MLP's down_proj) equals its Python loop bit for bit."""
+    ranks = _tp_group(tmp_path, uneven_moe_dir, "bf16")
+    if any("route" in r for r in ranks):
+        pytest.skip(f"bf16 linears multiply in bf16 here: {[r.get('route') for r in ranks]}")
+    assert [r["heads"] for r in ranks] == [(4, 2), (2, 1)]
+    for r in ranks:
+        assert r["rows"] > 6 and r["steps"] == 12  # the 61-row chunk: the Python loop
     assert ranks[0]["seq"] == ranks[1]["seq"]
 
 
@@ -288,6 +367,24 @@ def test_tp2_engine_takes_the_native_loop_with_uneven_kv_heads(uneven_gguf, monk
     assert [t for t, _ in single] == [t for t, _ in native]
     for (_, a), (_, b) in zip(single, native):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tp2_engine_takes_the_native_loop_with_a_bf16_moe(uneven_moe_dir, monkeypatch, capfd):
+    """A bf16 Qwen3-MoE served at TP=2 by real worker processes: both ranks take the native
+    loop, and its tokens and log-probabilities are the Python loop's."""
+    if not bf16_linear.products_slow(torch.bfloat16):
+        pytest.skip("bf16 products are not slower than float32 FMAs here: bf16 linears "
+                    "multiply through oneDNN, which the native loop does not take")
+    monkeypatch.setenv("DELTASERVE_BF16_LINEARS", "float32")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(40, 70))},
+               {"prompt_token_ids": [42]}]
+    options = dict(max_model_len=256, num_gpu_blocks_override=64, dtype="bfloat16")
+    capfd.readouterr()
+    native = _greedy(uneven_moe_dir, 2, prompts, True, monkeypatch, **options)
+    _assert_both_ranks_took_it(capfd)
+    assert _greedy(uneven_moe_dir, 2, prompts, False, monkeypatch, **options) == native
+    assert "native layer loop" not in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -65,6 +65,10 @@ class CpuAttentionBackend:
         if cpu_has_native(torch.bfloat16) if bf16_dot is None else bf16_dot:
             self._codes[torch.bfloat16] |= cpu_attention.BF16_DOT
 
+    def dtype_code(self, dtype: torch.dtype) -> int:
+        """The kernel's code for caches of `dtype`, flags included (what `forward` passes)."""
+        return self._codes[dtype]
+
     def plan(self, metadata: AttentionMetadata) -> None:
         metadata.plan = None  # built by the first layer, which knows the head group
 

@@ -1,11 +1,20 @@
 // A decoder's layers over a few token rows in one call and one OpenMP parallel region: the
-// per-layer sequence of the Python layer loop (worker/models/llama.py, gemma3.py), each step a
-// call of the same kernel the loop would make, so the results are the loop's bit for bit. What
-// it saves is the loop's per-layer cost: ~9-13 ctypes calls, their allocations and parallel
-// regions. A layer is Llama's (norm, q/k/v, rotary, attention, o, norm, gate/up, silu, down)
-// or, where its optional parts are set, Gemma 3's: q/k head norms after q/k/v, a norm of the
-// attention output and of the MLP output before each is added, GELU-tanh, and its own rotary
-// table and KV group (block table, slots, sliding window).
+// per-layer sequence of the Python layer loop (worker/models/llama.py, gemma3.py, moe.py), each
+// step a call of the same kernel the loop would make, so the results are the loop's bit for
+// bit. What it saves is the loop's per-layer cost: ~9-13 ctypes calls, their allocations and
+// parallel regions. A layer is Llama's (norm, q/k/v, rotary, attention, o, norm, gate/up, silu,
+// down) or, where its optional parts are set, Gemma 3's: q/k head norms after q/k/v, a norm of
+// the attention output and of the MLP output before each is added, GELU-tanh, and its own
+// rotary table and KV group (block table, slots, sliding window).
+//
+// A mixture-of-experts layer (Layer::moe set) has, instead of gate/up/down, a router linear
+// (its logits made in the region), the routing of moe_routing.h (on one thread) and the fused
+// experts (fused_moe.cpp's entry point, which opens its own parallel region): so the region
+// ends before a MoE layer's experts and the next one starts after them (a Qwen3-MoE step runs
+// one region per layer). A bf16 MoE layer's norms round their output to bf16 (its compute
+// dtype: the experts and the dense-driver linears take those values as float32 rows), and a
+// 16-bit KV cache takes q/k/v rounded to its dtype and gives the attention output back in it,
+// widened to float32 for o_proj, as the Python layers and attention backend do.
 //
 // The kernels live in their own libraries (cpu_ops, gguf_matmul, cpu_paged_attention) and
 // are reached through the function pointers in Kernels. Each is called by every thread of
@@ -19,7 +28,8 @@
 //   pending  [m, hidden]          out: the last layer's MLP output, not yet added to residual
 //   h [m, hidden], qkv [m, (num_heads + 2 num_kv_heads) head_dim], attn [m, num_heads
 //   head_dim], gate_up [m, 2 intermediate], act [m, intermediate]: scratch
-//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 per layer
+//   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] per layer, float32 or
+//   the 16-bit dtype of Model::cache_dtype
 //   Linear: W [N, K] as segments of output rows [start, stop), each a GGUF matrix (qtype,
 //   row bytes at w + r * w_stride); `scale` (may be null) multiplies output column n by
 //   scale[n] afterwards (weight-only int8's row scales).
@@ -45,6 +55,9 @@
 //   kernel failed part way).
 #include <cstdint>
 
+#include "cpu_dtypes.h"
+#include "moe_routing.h"
+
 namespace {
 
 using MatmulFn = int (*)(int, const void*, int64_t, const float*, int64_t, float*, int64_t,
@@ -61,11 +74,18 @@ using AttentionFn = int (*)(int, const void*, int64_t, const void*, int64_t, con
                             void*, int, int, int, int, float, int, int);
 // shm_all_reduce(base, slot_bytes, rank, world, seq, dtype, data, numel, timeout_s)
 using AllReduceFn = int (*)(void*, int64_t, int, int, uint64_t, int, void*, int64_t, double);
+// fused_moe_forward(layer, x, x_stride, tokens, ids, weights, topk, out, out_stride,
+//                   accumulate, num_threads): opens its own parallel region
+using MoeFn = int (*)(const void*, const float*, int64_t, int64_t, const int32_t*, const float*,
+                      int64_t, float*, int64_t, int, int);
 
 constexpr int MAX_GROUPS = 8;
 
 constexpr int MAX_SEGMENTS = 4;
-constexpr int F32 = 0;   // cpu_dtypes.h's dtype code
+constexpr int F32 = 0;   // cpu_dtypes.h's dtype codes
+constexpr int BF16 = 1;
+constexpr int F16 = 2;
+constexpr int DTYPE_MASK = 0xF;  // a code's dtype; above it, a kernel's flags (BF16_DOT)
 constexpr int TEAM = 0;  // num_threads: a step of the enclosing region
 // A failed all-reduce's status is this plus shm_all_reduce's (1: a peer did not answer in
 // time, 2/3: bad arguments); the kernels' own statuses are below it.
@@ -77,6 +97,7 @@ constexpr int REDUCE_STATUS = 16;
 struct Kernels {
     MatmulFn matmul; NormFn norm; SiluFn silu; RopeFn rope; AttentionFn attention;
     SiluFn gelu_tanh; HeadNormFn head_norm;
+    MoeFn moe;  // null: no fused MoE library (no MoE layer is taken)
 };
 struct Segment {
     int64_t qtype; const void* w; int64_t w_stride; int64_t start, stop;
@@ -94,11 +115,21 @@ struct Layer {
     const float* mlp_out_norm;
     const float* cos; const float* sin;
     int64_t group;  // its KV group in Step::groups
+    // The dtype its norms round their output to (F32 or BF16: a bf16 MoE layer's compute
+    // dtype; the linears still take float32 rows of those values).
+    int64_t norm_dtype;
+    // A mixture-of-experts layer (moe: fused_moe.cpp's MoeLayer; null: the dense MLP of
+    // gate_up/down): router [num_experts, hidden] gives the logits, moe_routing.h the top_k
+    // experts (renormalized or not), the fused kernel this rank's partial sum.
+    const void* moe; Linear router; int64_t num_experts, top_k, renormalize;
 };
 struct Model {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
     float eps, scale;
     int64_t gelu;  // the MLP's activation: 0 silu, 1 gelu (tanh approximation)
+    // The KV caches' dtype code as the attention kernel takes it (flags included): F32, or
+    // BF16/F16 (q/k/v rounded to it, the attention output widened back to float32).
+    int64_t cache_dtype;
 };
 struct Group {
     const int64_t* slot_mapping; const int32_t* block_table; int64_t bt_stride;
@@ -123,6 +154,11 @@ struct Step {
     int64_t num_groups; Group groups[MAX_GROUPS];
     float* residual; float* pending; float* h; float* qkv; float* attn; float* gate_up;
     float* act; const LoRAStep* lora; AllReduce* reduce;
+    // 16-bit scratch (2 bytes an element): h16 [m, hidden] (a bf16 norm's output), qkv16
+    // [m, qkv width], attn16 [m, num_heads head_dim] (16-bit caches); MoE routing: logits
+    // [m, max experts] float32, topk_ids int32 / topk_weights float32 [m, max top_k].
+    uint16_t* h16; uint16_t* qkv16; uint16_t* attn16;
+    float* logits; int32_t* topk_ids; float* topk_weights;
 };
 
 namespace {
@@ -253,13 +289,31 @@ int reduce_pending(const Model& d, const Step& s, int64_t call) {
     return status ? REDUCE_STATUS + status : 0;
 }
 
-// residual += x (unless x is null), then h = RMSNorm(residual) · weight.
-int add_and_norm(const Kernels& f, const Model& d, const Step& s, const float* x,
-                 const float* weight) {
+// dst[r * width + c] = src[r * width + c] widened (T -> float) or rounded (float -> T) for
+// the step's rows, shared among the team.
+template <class To, class From>
+void convert_rows(To* dst, const From* src, int64_t m, int64_t width) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < width; ++c)
+            dst[r * width + c] = from_float<To>(to_float(src[r * width + c]));
+}
+
+// residual += x (unless x is null), then h = RMSNorm(residual) · weight, rounded to the
+// layer's norm dtype (a bf16 norm writes h16, then h holds its values as floats).
+int add_and_norm(const Kernels& f, const Model& d, const Layer& l, const Step& s,
+                 const float* x, const float* weight) {
     const int64_t hd = d.hidden;
-    if (!x) return f.norm(F32, F32, s.h, hd, s.residual, hd, nullptr, 0, weight, s.m, hd, d.eps,
-                          TEAM);
-    return f.norm(F32, F32, s.h, hd, x, hd, s.residual, hd, weight, s.m, hd, d.eps, TEAM);
+    const bool round = l.norm_dtype == BF16;
+    void* out = round ? static_cast<void*>(s.h16) : static_cast<void*>(s.h);
+    const int out_dtype = round ? BF16 : F32;
+    const int status = x ? f.norm(F32, out_dtype, out, hd, x, hd, s.residual, hd, weight, s.m,
+                                  hd, d.eps, TEAM)
+                         : f.norm(F32, out_dtype, out, hd, s.residual, hd, nullptr, 0, weight,
+                                  s.m, hd, d.eps, TEAM);
+    if (!status && round)
+        convert_rows(s.h, reinterpret_cast<const bf16*>(s.h16), s.m, hd);
+    return status;
 }
 
 // x [m, hidden] normalized in place (no residual).
@@ -288,19 +342,40 @@ int attention(const Kernels& f, const Model& d, const Layer& l, const Step& s) {
     if (status) return status;
     if (l.group < 0 || l.group >= s.num_groups) return 1;
     const Group& g = s.groups[l.group];
-    return f.attention(F32, q, width, k, width, v, width, l.k_cache, l.v_cache, g.slot_mapping,
-                       s.m, s.query_start_loc, s.seq_lens, g.block_table, g.bt_stride, g.items,
-                       g.num_items, s.attn, nh, nkv, hd, static_cast<int>(d.block_size),
-                       d.scale, TEAM, static_cast<int>(g.window));
+    const int dtype = static_cast<int>(d.cache_dtype & DTYPE_MASK);
+    void* qs = s.qkv;
+    void* out = s.attn;
+    if (dtype == BF16 || dtype == F16) {  // q/k/v in the caches' dtype, as the Python backend
+        qs = s.qkv16;
+        out = s.attn16;
+        if (dtype == BF16) convert_rows(reinterpret_cast<bf16*>(s.qkv16), s.qkv, s.m, width);
+        else convert_rows(reinterpret_cast<half_t*>(s.qkv16), s.qkv, s.m, width);
+    } else if (dtype != F32) {
+        return 1;
+    }
+    const int64_t elem = dtype == F32 ? 4 : 2;
+    char* qb = static_cast<char*>(qs);
+    status = f.attention(static_cast<int>(d.cache_dtype), qb, width, qb + (k - q) * elem, width,
+                         qb + (v - q) * elem, width, l.k_cache, l.v_cache, g.slot_mapping, s.m,
+                         s.query_start_loc, s.seq_lens, g.block_table, g.bt_stride, g.items,
+                         g.num_items, out, nh, nkv, hd, static_cast<int>(d.block_size), d.scale,
+                         TEAM, static_cast<int>(g.window));
+    if (!status && dtype == BF16)
+        convert_rows(s.attn, reinterpret_cast<const bf16*>(s.attn16), s.m, nh * hd);
+    else if (!status && dtype == F16)
+        convert_rows(s.attn, reinterpret_cast<const half_t*>(s.attn16), s.m, nh * hd);
+    return status;
 }
 
-// One decoder layer (the i-th); `pending` holds the previous layer's MLP output (first:
-// nothing).
-int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& s, int64_t i) {
-    const int64_t hidden = d.hidden, inter = d.intermediate, m = s.m;
+// Layer i up to its MLP: norm, q/k/v, attention, o (and its sum across ranks), the
+// pre-MLP norm into h; `pending` holds the previous layer's MLP output (first: nothing). A
+// MoE layer's router logits too (a dense product: shared by the team like the others).
+int attention_half(const Kernels& f, const Model& d, const Layer& l, const Step& s,
+                   int64_t i) {
+    const int64_t hidden = d.hidden, m = s.m;
     const int64_t width = qkv_width(d);
     const int64_t attn_width = d.num_heads * d.head_dim;
-    int status = add_and_norm(f, d, s, i == 0 ? nullptr : s.pending, l.input_norm);
+    int status = add_and_norm(f, d, l, s, i == 0 ? nullptr : s.pending, l.input_norm);
     if (!status) status = linear(f, l.qkv, s.h, hidden, s.qkv, width, m);
     if (!status) lora_delta(s.lora, 4 * i, s.h, hidden, s.qkv, width, hidden, width);
     if (!status) status = attention(f, d, l, s);
@@ -309,8 +384,16 @@ int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& 
                             attn_width, hidden);
     if (!status) status = reduce_pending(d, s, 2 * i);
     if (!status && l.attn_out_norm) status = norm_in_place(f, d, s, s.pending, l.attn_out_norm);
-    if (!status) status = add_and_norm(f, d, s, s.pending, l.post_norm);
-    if (!status) status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
+    if (!status) status = add_and_norm(f, d, l, s, s.pending, l.post_norm);
+    if (!status && l.moe)
+        status = linear(f, l.router, s.h, hidden, s.logits, l.num_experts, m);
+    return status;
+}
+
+// Layer i's dense MLP on h into pending (summed across ranks, normed if the layer says).
+int dense_mlp(const Kernels& f, const Model& d, const Layer& l, const Step& s, int64_t i) {
+    const int64_t hidden = d.hidden, inter = d.intermediate, m = s.m;
+    int status = linear(f, l.gate_up, s.h, hidden, s.gate_up, 2 * inter, m);
     if (!status) lora_delta(s.lora, 4 * i + 2, s.h, hidden, s.gate_up, 2 * inter, hidden,
                             2 * inter);
     if (!status)
@@ -323,28 +406,64 @@ int layer_forward(const Kernels& f, const Model& d, const Layer& l, const Step& 
     return status;
 }
 
+// Layer i's MoE feed-forward on h (its logits made) into pending, outside any parallel
+// region: routing on this thread, the fused kernel in its own region of num_threads, the
+// ranks' sum (sequence number 2 i + 1, as a dense MLP's down_proj).
+int moe_mlp(const Kernels& f, const Model& d, const Layer& l, const Step& s, int64_t i,
+            int num_threads) {
+    if (!f.moe) return 1;
+    if (route_experts(s.logits, s.m, l.num_experts, l.top_k, l.renormalize != 0, s.topk_ids,
+                      s.topk_weights))
+        return 1;
+    int status = f.moe(l.moe, s.h, d.hidden, s.m, s.topk_ids, s.topk_weights, l.top_k,
+                       s.pending, d.hidden, 0, num_threads);
+    if (!status) status = reduce_pending(d, s, 2 * i + 1);
+    return status;
+}
+
 }  // namespace
 
 extern "C" {
 
 // Runs layers [0, num_layers) over the step's rows; residual starts as the embeddings.
-// Status: 0, or the first failing kernel's (the same on every thread).
+// One parallel region runs the layers up to the next MoE layer's experts (that layer's
+// attention half included); the experts run between regions (moe_mlp), and the next region
+// takes up from there. Status: 0, or the first failing kernel's (the same on every thread).
 __attribute__((visibility("default")))
 int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, int num_layers,
                         const Step* s, int num_threads) {
     if (num_threads <= 0 || num_layers < 0 || s->m < 0) return 1;
     int status = 0;
+    for (int first = 0; first < num_layers && !status;) {
+        int stop = first;  // the next MoE layer (num_layers: none)
+        while (stop < num_layers && !layers[stop].moe) ++stop;
 #pragma omp parallel num_threads(num_threads)
-    {
-        int mine = 0;
-        for (int i = 0; i < num_layers && !mine; ++i)
-            mine = layer_forward(*f, *d, layers[i], *s, i);
-        if (mine) {
+        {
+            int mine = 0;
+            for (int i = first; i < stop && !mine; ++i) {
+                mine = attention_half(*f, *d, layers[i], *s, i);
+                if (!mine) mine = dense_mlp(*f, *d, layers[i], *s, i);
+            }
+            if (!mine && stop < num_layers) mine = attention_half(*f, *d, layers[stop], *s, stop);
+            if (mine) {
 #pragma omp atomic write
-            status = mine;
+                status = mine;
+            }
         }
+        if (status || stop == num_layers) break;
+        status = moe_mlp(*f, *d, layers[stop], *s, stop, num_threads);
+        first = stop + 1;
     }
     return status;
+}
+
+// Top-k routing (moe_routing.h) of logits [tokens, num_experts] float32 into ids int32 and
+// weights float32 [tokens, topk]: the Python layer loop's (worker/layers/fused_moe/router.py),
+// the same function the native loop routes with. Status: 0, or 1 for bad sizes.
+__attribute__((visibility("default")))
+int cpu_decoder_route(const float* logits, int64_t tokens, int64_t num_experts, int64_t topk,
+                      int renormalize, int32_t* ids, float* weights) {
+    return route_experts(logits, tokens, num_experts, topk, renormalize != 0, ids, weights);
 }
 
 // The LoRA deltas of one linear outside the loop (the Python layer loop's, float32): the

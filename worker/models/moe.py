@@ -18,6 +18,7 @@ from worker.layers.linear import ReplicatedLinear
 from worker.layers.quantization.base import QuantizationConfig
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaMLP
+from worker.models.native_layer_loop import NativeMoe
 
 
 class SparseMoeBlock(nn.Module):
@@ -44,6 +45,14 @@ class SparseMoeBlock(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.experts.compute_dtype
+
+    def native_moe(self) -> NativeMoe | None:
+        """The block as the native layer loop runs it (router, bound experts, routing), or
+        None: a shared expert, or experts the fused kernel does not take."""
+        fused = getattr(self.experts, "fused_experts", None)
+        if hasattr(self, "shared_expert") or fused is None or fused.native_layer is None:
+            return None
+        return NativeMoe(self.gate, fused, self.experts.top_k, self.experts.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x.float(), self.gate(x.to(self.gate.compute_dtype)))

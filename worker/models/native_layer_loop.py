@@ -6,9 +6,14 @@ the loop's bit for bit; the model falls back to the loop for anything it does no
 A model is taken when its decoder layers say what their norms are (`native_norms()`: Llama's
 two, or Gemma 3's six with q/k head norms), it names each layer's rotary table
 (`rotary_of(i)`) and its MLP activation (`activation`, silu or gelu_tanh), and: the CPU,
-float32 compute, the native attention backend with a float32 cache, every linear layer with
-native weights (GGUF, int8), no biases, dense MLPs (a mixture-of-experts layer is not taken).
-Each layer attends through its own KV group (block table, slots, sliding window).
+float32 or bfloat16 layers, the native attention backend (a float32 or 16-bit KV cache),
+every linear layer with native weights (`native_weights()`: GGUF, int8, or a bf16 weight's
+plain rows where its method multiplies them by the dense driver into float32, for the row
+counts it does so: `max_rows`), no biases, and MLPs that are dense or a mixture-of-experts
+block that says how it runs natively (`native_moe()`: router, bound fused experts, top-k;
+Qwen3-MoE and Mixtral; a shared expert, as Qwen2-MoE's, is not taken). A bf16 layer's norms
+round to bf16 as the Python layer's do. Each layer attends through its own KV group (block
+table, slots, sliding window).
 
 Tensor parallelism: a rank runs its own shards (its query and KV heads as the loader split
 them, 3 KV heads over 2 ranks being 2 + 1, its share of the MLP), and the loop sums o_proj's
@@ -40,6 +45,7 @@ from worker.layers.layernorm import RMSNorm
 from worker.layers.linear import LinearBase
 from worker.native import cpu_decoder
 from worker.native.cpu_decoder import (
+    MAX_EXPERTS,
     MAX_GROUPS,
     MAX_ROWS,
     MAX_SEGMENTS,
@@ -51,17 +57,22 @@ from worker.native.cpu_decoder import (
     NativeDecoder,
     Step,
 )
+from worker.native.fused_moe import FusedExperts
+from worker.native.library import DTYPE_CODES
 
 ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 REDUCE_STATUS = 16  # cpu_decoder.cpp's: a failed all-reduce's status is this + its own
 logger = logging.getLogger("deltaserve")
 
 
-def _linear(layer: LinearBase) -> Linear | None:
-    """The layer's table entry, or None when it is not taken."""
+def _linear(layer: LinearBase, limits: list[int]) -> Linear | None:
+    """The layer's table entry, or None when it is not taken; appends the most rows it
+    takes to `limits` where that is bounded."""
     weights = layer.quant_method.native_weights(layer)
     if weights is None or layer.bias is not None or len(weights.segments) > MAX_SEGMENTS:
         return None
+    if weights.max_rows is not None:
+        limits.append(weights.max_rows)
     out = Linear(k=weights.segments[0][0].k, num_segments=len(weights.segments),
                  scale=None if weights.scale is None else weights.scale.data_ptr())
     for i, (matrix, start, stop) in enumerate(weights.segments):
@@ -93,19 +104,56 @@ def _pointer(norm: RMSNorm | None) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
 
-def _layer(layer: nn.Module, rotary: nn.Module) -> Layer | None:
+@dataclass(frozen=True, slots=True)
+class NativeMoe:
+    """A mixture-of-experts feed-forward as the native loop runs it (a block's `native_moe()`):
+    `router` (a linear [num_experts, hidden]) gives the logits, the top `top_k` experts
+    (renormalized or not) go through `experts`' bound fused kernel, and the partial sums are
+    reduced across ranks once."""
+
+    router: LinearBase
+    experts: FusedExperts
+    top_k: int
+    renormalize: bool
+
+
+def _mlp(mlp: nn.Module, limits: list[int]) -> tuple[list, NativeMoe | None] | None:
+    """(gate_up and down entries, the MoE block or None) of a layer's MLP: a dense one's
+    linears, or a MoE block's router (the table's gate_up and down stay empty)."""
+    native_moe = getattr(mlp, "native_moe", None)
+    if native_moe is not None:
+        moe = native_moe()
+        if (moe is None or moe.experts.num_experts > MAX_EXPERTS
+                or (router := _linear(moe.router, limits)) is None):
+            return None
+        return [Linear(), Linear(), router], moe
+    if not hasattr(mlp, "gate_up_proj") or not mlp.down_proj.reduce_results:
+        return None
+    linears = [_linear(m, limits) for m in (mlp.gate_up_proj, mlp.down_proj)]
+    return None if None in linears else ([*linears, Linear()], None)
+
+
+def _layer(layer: nn.Module, rotary: nn.Module, limits: list[int]) -> Layer | None:
     """A decoder layer's table entry, or None when it is not taken."""
-    attn, mlp, norms = layer.self_attn, layer.mlp, layer.native_norms()
-    if (not hasattr(mlp, "gate_up_proj") or not attn.o_proj.reduce_results
-            or not mlp.down_proj.reduce_results
-            or not isinstance(attn.backend, CpuAttentionBackend) or not _float_rows(rotary.cos)):
+    attn, norms = layer.self_attn, layer.native_norms()
+    rounded = layer.dtype == torch.bfloat16  # its norms' outputs (Gemma's extra ones: not taken)
+    if (not attn.o_proj.reduce_results or not isinstance(attn.backend, CpuAttentionBackend)
+            or not _float_rows(rotary.cos)
+            or rounded and (norms.attn_out is not None or norms.mlp_out is not None)):
         return None
-    linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(x is None for x in linears) or any(not _float_rows(n.weight) for n in norms.all()):
+    linears = [_linear(m, limits) for m in (attn.qkv_proj, attn.o_proj)]
+    mlp = _mlp(layer.mlp, limits)
+    if (None in linears or mlp is None
+            or any(not _float_rows(n.weight) for n in norms.all())):
         return None
+    (gate_up, down, router), moe = mlp
+    routing = (0, 0, 0) if moe is None else (moe.experts.num_experts, moe.top_k,
+                                             int(moe.renormalize))
     return Layer(norms.input.weight.data_ptr(), norms.pre_mlp.weight.data_ptr(), *linears,
-                 None, None, _pointer(norms.q), _pointer(norms.k), _pointer(norms.attn_out),
-                 _pointer(norms.mlp_out), rotary.cos.data_ptr(), rotary.sin.data_ptr(), 0)
+                 gate_up, down, None, None, _pointer(norms.q), _pointer(norms.k),
+                 _pointer(norms.attn_out), _pointer(norms.mlp_out), rotary.cos.data_ptr(),
+                 rotary.sin.data_ptr(), 0, DTYPE_CODES[layer.dtype],
+                 None if moe is None else moe.experts.native_layer, router, *routing)
 
 
 def _shm(tp: TensorParallel, hidden: int) -> ShmAllReduce | None | bool:
@@ -133,21 +181,36 @@ class NativeLayerLoop:
     cache addresses. Scratch rows for `max_rows` tokens are allocated once."""
 
     def __init__(self, native: NativeDecoder, model: nn.Module, layers: list[Layer],
-                 shm: ShmAllReduce | None = None) -> None:
-        attn, gate_up = model.layers[0].self_attn, model.layers[0].mlp.gate_up_proj
+                 shm: ShmAllReduce | None = None, max_rows: int = MAX_ROWS) -> None:
+        attn = model.layers[0].self_attn
         rotary, norm = model.rotary_of(0), model.layers[0].input_layernorm
-        self._native, self.max_rows, self._num_layers = native, MAX_ROWS, len(layers)
+        self._native, self.max_rows, self._num_layers = native, max_rows, len(layers)
         self._table = (Layer * len(layers))(*layers)
         self._group = attn.num_heads // attn.num_kv_heads
-        hidden, inter = norm.weight.shape[0], gate_up.weight.shape[0] // 2
+        dense = [layer.mlp.gate_up_proj for layer in model.layers
+                 if hasattr(layer.mlp, "gate_up_proj")]
+        hidden, inter = norm.weight.shape[0], dense[0].weight.shape[0] // 2 if dense else 0
+        experts = max((x.num_experts for x in layers), default=0)
+        top_k = max((x.top_k for x in layers), default=0)
+        self._cache_dtype = attn.qkv_proj.cache_dtype
         self._model = Model(hidden, inter, attn.num_heads, attn.num_kv_heads, attn.head_dim, 0,
                             rotary.cos.shape[0], norm.eps, attn.scale,
-                            int(model.activation == "gelu_tanh"))
+                            int(model.activation == "gelu_tanh"),
+                            attn.backend.dtype_code(self._cache_dtype))
         self._groups_key: tuple[int, ...] = ()
         widths = {"h": hidden, "qkv": (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
                   "attn": attn.num_heads * attn.head_dim, "gate_up": 2 * inter, "act": inter}
         # float32 [max_rows, width] each; a step uses its first m rows (cpu_decoder.cpp)
         self._scratch = {name: torch.empty(self.max_rows, w) for name, w in widths.items()}
+        # 16-bit rows (bf16 norm outputs, q/k/v and attention in a 16-bit cache's dtype) and
+        # the MoE routing's
+        for name in ("h", "qkv", "attn"):
+            self._scratch[name + "16"] = torch.empty(self.max_rows, widths[name],
+                                                     dtype=torch.int16)
+        self._scratch["logits"] = torch.empty(self.max_rows, max(experts, 1))
+        self._scratch["topk_weights"] = torch.empty(self.max_rows, max(top_k, 1))
+        self._scratch["topk_ids"] = torch.empty(self.max_rows, max(top_k, 1),
+                                                dtype=torch.int32)
         self._pending = torch.empty(self.max_rows, hidden)
         self._caches_key: tuple[int, ...] = ()
         # A weight method's `native_guard` (LoRA's context) says per step what the loop must
@@ -167,17 +230,23 @@ class NativeLayerLoop:
         if native is None or len(model.layers) == 0 or model.activation not in (
                 "silu", "gelu_tanh"):
             return None
-        if any(layer.dtype != torch.float32 or layer.native_norms() is None
-               for layer in model.layers):
+        if any(layer.dtype not in (torch.float32, torch.bfloat16)
+               or layer.native_norms() is None for layer in model.layers):
             return None
         eps = {norm.eps for layer in model.layers for norm in layer.native_norms().all()}
-        layers = [_layer(layer, model.rotary_of(i)) for i, layer in enumerate(model.layers)]
+        limits = [MAX_ROWS]
+        layers = [_layer(layer, model.rotary_of(i), limits)
+                  for i, layer in enumerate(model.layers)]
         scales = {layer.self_attn.scale for layer in model.layers}
+        cache_dtypes = {layer.self_attn.qkv_proj.cache_dtype for layer in model.layers}
         shm = _shm(model.layers[0].self_attn.o_proj.tp, model.layers[0].input_layernorm.weight
                    .shape[0])
-        if len(eps) != 1 or len(scales) != 1 or None in layers or shm is False:
+        if (len(eps) != 1 or len(scales) != 1 or None in layers or shm is False
+                or len(cache_dtypes) != 1
+                or not cache_dtypes <= {torch.float32, torch.bfloat16, torch.float16}
+                or any(x.moe for x in layers) and not native.kernels.moe):
             return None
-        return cls(native, model, layers, shm)
+        return cls(native, model, layers, shm, min(limits))
 
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
         if not 0 < num_tokens <= self.max_rows or not self._bind_caches(kv_caches):
@@ -195,7 +264,8 @@ class NativeLayerLoop:
         if key == self._caches_key:
             return True
         if len(kv_caches) != self._num_layers or not all(
-                _float_rows(t) and t.dim() == 4 for kv in kv_caches for t in kv):
+                t.dtype == self._cache_dtype and t.is_cpu and t.is_contiguous() and t.dim() == 4
+                for kv in kv_caches for t in kv):
             return False
         for i, (k, v) in enumerate(kv_caches):
             self._table[i].k_cache, self._table[i].v_cache = k.data_ptr(), v.data_ptr()
@@ -235,7 +305,9 @@ class NativeLayerLoop:
                     residual.data_ptr(), self._pending.data_ptr(), s["h"].data_ptr(),
                     s["qkv"].data_ptr(), s["attn"].data_ptr(), s["gate_up"].data_ptr(),
                     s["act"].data_ptr(), self._lora,
-                    None if self._reduce is None else ctypes.addressof(self._reduce))
+                    None if self._reduce is None else ctypes.addressof(self._reduce),
+                    *(s[name].data_ptr() for name in ("h16", "qkv16", "attn16", "logits",
+                                                      "topk_ids", "topk_weights")))
         if self._reduce is not None:
             self._reduce.first_seq, self._reduce.calls = self._shm.next_seq, 0
         status = self._native.forward(ctypes.byref(self._native.kernels),

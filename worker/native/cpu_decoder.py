@@ -1,7 +1,8 @@
-"""The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama or Gemma 3 model's layers
-over a few token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF and attention
-libraries inside one parallel region (and, at tensor parallel > 1, the shm all-reduce's). The ctypes Structures here mirror the C++ structs field
-by field.
+"""The native decoder loop (worker/kernels/cpu_decoder.cpp): a Llama, Gemma 3 or MoE model's
+layers over a few token rows in one ctypes call, calling the kernels of the cpu-ops, GGUF,
+attention and fused-MoE libraries (and, at tensor parallel > 1, the shm all-reduce's). The
+ctypes Structures here mirror the C++ structs field by field. `route()` is its MoE routing
+entry point, which the Python layer loop routes with too (worker/layers/fused_moe/router.py).
 
 `load()` is the bound library, or None where one of the four libraries cannot be built here
 (callers keep the Python layer loop). `lora_delta()` is its entry point applying one linear's
@@ -14,7 +15,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from worker.native import cpu_attention, gguf_ops
+from worker.native import cpu_attention, fused_moe, gguf_ops
 from worker.native.cpu_ops import native_ops
 from worker.native.library import I32, I64, PTR, UNAVAILABLE, NativeLibrary, entry_point
 
@@ -23,6 +24,7 @@ logger = logging.getLogger("deltaserve")
 LIBRARY = NativeLibrary("cpu-decoder", "cpu_decoder.cpp")
 MAX_SEGMENTS = 4  # cpu_decoder.cpp's
 MAX_GROUPS = 8  # likewise: KV layer groups
+MAX_EXPERTS = 1024  # moe_routing.h's: the most experts a layer routes natively
 # The most token rows a call takes (the scratch rows a loop allocates): decode batches and
 # short prefill chunks, where the Python loop's per-layer calls weigh; above it the
 # arithmetic dwarfs them.
@@ -32,7 +34,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class Kernels(ctypes.Structure):
     _fields_ = [("matmul", _P), ("norm", _P), ("silu", _P), ("rope", _P), ("attention", _P),
-                ("gelu_tanh", _P), ("head_norm", _P)]
+                ("gelu_tanh", _P), ("head_norm", _P), ("moe", _P)]
 
 
 class Segment(ctypes.Structure):
@@ -49,13 +51,16 @@ class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear),
                 ("gate_up", Linear), ("down", Linear), ("k_cache", _P), ("v_cache", _P),
                 ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
-                ("cos", _P), ("sin", _P), ("group", _I64)]
+                ("cos", _P), ("sin", _P), ("group", _I64), ("norm_dtype", _I64), ("moe", _P),
+                ("router", Linear), ("num_experts", _I64), ("top_k", _I64),
+                ("renormalize", _I64)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
-                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("gelu", _I64)]
+                ("max_position", _I64), ("eps", _F32), ("scale", _F32), ("gelu", _I64),
+                ("cache_dtype", _I64)]
 
 
 class Group(ctypes.Structure):
@@ -86,7 +91,8 @@ class Step(ctypes.Structure):
     _fields_ = [("m", _I64), ("positions", _P), ("query_start_loc", _P), ("seq_lens", _P),
                 ("num_groups", _I64), ("groups", Group * MAX_GROUPS), ("residual", _P),
                 ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
-                ("act", _P), ("lora", _P), ("reduce", _P)]
+                ("act", _P), ("lora", _P), ("reduce", _P), ("h16", _P), ("qkv16", _P),
+                ("attn16", _P), ("logits", _P), ("topk_ids", _P), ("topk_weights", _P)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,7 @@ class NativeDecoder:
     """The entry point and the kernels' addresses."""
 
     forward: ctypes._CFuncPtr
-    kernels: Kernels
+    kernels: Kernels  # moe: fused_moe_forward, or None where that library is not built
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -114,10 +120,27 @@ def load() -> NativeDecoder | None:
         return None
     forward = entry_point(library, "cpu_decoder_forward",
                           [PTR, PTR, PTR, I32, PTR, I32])
+    moe = fused_moe.native()
     kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
                       _address(ops._rope), _address(attention), _address(ops._gelu),
-                      _address(ops._head_norm))
+                      _address(ops._head_norm), None if moe is None else _address(moe))
     return NativeDecoder(forward, kernels)
+
+
+# logits, tokens, num_experts, topk, renormalize, ids, weights
+_ROUTE_ARGS = [PTR, I64, I64, I64, I32, PTR, PTR]
+
+
+@functools.cache
+def route() -> ctypes._CFuncPtr | None:
+    """cpu_decoder_route (worker/kernels/moe_routing.h), or None where this library cannot be
+    built (routing then stays in torch)."""
+    try:
+        library = LIBRARY.path()
+    except UNAVAILABLE as e:
+        logger.warning("native MoE routing unavailable, using torch: %s", e)
+        return None
+    return entry_point(library, "cpu_decoder_route", _ROUTE_ARGS)
 
 
 # lora, target, x, x_stride, y, y_stride, k, n, num_threads

@@ -108,6 +108,12 @@ class FusedExperts:
     def is_native(self) -> bool:
         return self._layer is not None
 
+    @property
+    def native_layer(self) -> int | None:
+        """The address of the bound MoeLayer (fused_moe_forward's first argument; valid while
+        this object lives), or None where calls run in torch."""
+        return None if self._layer is None else ctypes.addressof(self._layer)
+
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [T, hidden] float32 (rows contiguous); topk_weights float32 and topk_ids int32

@@ -77,11 +77,15 @@ class QuantizeMethodBase(ABC):
 @dataclass(frozen=True, slots=True)
 class NativeWeights:
     """A linear layer's weight as native callers take it (worker/native/cpu_decoder.py):
-    `segments` (matrix, start, stop) cover output rows [start, stop) in order, and `scale`
-    (float32 [out_per_rank], or None) multiplies output column n by scale[n] afterwards."""
+    `segments` (matrix, start, stop) cover output rows [start, stop) in order, each matrix a
+    GgufMatrix or anything with its `code`, `qweight` (uint8 rows) and `k` (dense 16-bit rows:
+    unquantized.DenseRows); `scale` (float32 [out_per_rank], or None) multiplies output
+    column n by scale[n] afterwards; `max_rows`: the most x rows whose products equal
+    `apply`'s this way (None: any)."""
 
     segments: tuple[tuple[GgufMatrix, int, int], ...]
     scale: torch.Tensor | None = None
+    max_rows: int | None = None
 
 
 class LinearMethodBase(QuantizeMethodBase):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +14,23 @@ from worker.layers.quantization.base import (
     EmbeddingMethodBase,
     FusedMoEMethodBase,
     LinearMethodBase,
+    NativeWeights,
     QuantizationConfig,
     ShardDims,
     parameter,
 )
 from worker.native import gguf_ops
 from worker.native.fused_moe import bind_stacked
+
+
+@dataclass(frozen=True, slots=True)
+class DenseRows:
+    """A dense weight [N, K] as gguf_matmul's dense driver takes it: `qweight` its rows' bytes
+    (a uint8 view [N, K * element size]), `code` gguf_ops.DENSE_CODES' code of its dtype."""
+
+    qweight: torch.Tensor
+    code: int
+    k: int
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -63,6 +75,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def cache_dtype(self, layer: nn.Module) -> torch.dtype:
         """The weight's dtype (bfloat16 keeps its KV cache when multiplied in float32)."""
         return layer.weight.dtype
+
+    def native_weights(self, layer: nn.Module) -> NativeWeights | None:
+        """The plain 16-bit rows where `apply` multiplies them by the dense driver and returns
+        float32 (a bf16 weight on the float32 route: `weight_float32` beside them), for the
+        row counts it does so; None elsewhere (oneDNN's products, or outputs rounded to
+        16 bits)."""
+        rows = getattr(layer, "weight_rows", None)
+        if rows is None or getattr(layer, "weight_float32", None) is None:
+            return None
+        n, k = rows.shape
+        matrix = DenseRows(rows.view(torch.uint8), gguf_ops.DENSE_CODES[rows.dtype], k)
+        return NativeWeights(((matrix, 0, n),),
+                             max_rows=min(layer.dense_rows, bf16_linear.FLOAT32_ROWS - 1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
