@@ -80,7 +80,7 @@ def smollm2_figures(smollm2_dense) -> tuple[float, float, float]:
                    "symmetric int8 activations on SmolLM2-135M even with load-time "
                    "SmoothQuant: measured +2.8 % (28.291 -> 29.080; +5.9 % unsmoothed); the "
                    "KL divergence from float32 falls 3.3x but this 208-token text's perplexity "
-                   "moves -0.3..+2.9 % over alpha 0.4..0.7; see /work/notes/issue-34-acc6.md")
+                   "moves -0.3..+2.9 % over alpha 0.4..0.7; see the README (accuracy of the inexact modes)")
 def test_smollm2_perplexity_within_one_percent(smollm2_figures):
     ppl_f32, ppl_w8, _ = smollm2_figures
     assert abs(ppl_w8 - ppl_f32) <= 0.01 * ppl_f32, (ppl_f32, ppl_w8)
