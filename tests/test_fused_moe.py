@@ -158,6 +158,17 @@ def test_every_rows_per_expert_up_to_64(dtype, threads):
     assert torch.equal(ours, other)
 
 
+def test_huge_pages_keep_the_weights(monkeypatch):
+    """Backing expert weights with transparent huge pages (best effort) changes no value."""
+    t = torch.randn(3 << 20)  # 12 MB: at least four whole 2 MB pages inside
+    before = t.clone()
+    collapsed = fused_moe.back_with_huge_pages(t)
+    assert 0 <= collapsed <= t.numel() * 4 and collapsed % (2 << 20) == 0
+    assert torch.equal(t, before)
+    monkeypatch.setenv("DELTASERVE_MOE_HUGE_PAGES", "0")
+    assert fused_moe.back_with_huge_pages(t) == 0
+
+
 def test_bad_expert_ids_are_refused():
     experts = _dense_experts(torch.float32)
     x = torch.randn(2, H)
