@@ -126,6 +126,49 @@ def test_bf16_decode_units_every_row_count(threads):
     assert torch.equal(ours, other)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_rows_per_expert_up_to_64(dtype, threads):
+    """Experts of 1 to 64 rows each, uneven (bf16 decode units in passes of at most 4 x rows,
+    past DOT_ROWS the grouped product), at 1 and 2 threads: the reference's values, and the
+    same bits whatever the thread count."""
+    g = torch.Generator().manual_seed(4)
+    hidden, inter = 128, 96
+    counts = [1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 16, 17, 31, 32, 33, 64]  # 256 rows
+    w13 = (torch.randn(len(counts), 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(len(counts), hidden, inter, generator=g) * 0.1).to(dtype)
+    experts = fused_moe.bind_stacked(w13, w2, hidden)
+    # 64 tokens x 4 choices, ids[t, j] = order[64 j + t]: no expert has more than 64 rows, so
+    # a token's 4 choices name 4 different experts
+    order = [e for e, n in enumerate(counts) for _ in range(n)]
+    ids = torch.tensor(order, dtype=torch.int32).view(4, 64).T.contiguous()
+    weights = torch.rand(64, 4, generator=g)
+    x = torch.randn(64, hidden, generator=g)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours = experts(x, weights, ids)
+        torch.set_num_threads(3 - threads)
+        other = experts(x, weights, ids)
+    finally:
+        torch.set_num_threads(previous)
+    ref = fused_moe.experts_reference(x, weights, ids, experts)
+    bound = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=bound * ref.abs().max().item())
+    assert torch.equal(ours, other)
+
+
+def test_huge_pages_keep_the_weights(monkeypatch):
+    """Backing expert weights with transparent huge pages (best effort) changes no value."""
+    t = torch.randn(3 << 20)  # 12 MB: at least four whole 2 MB pages inside
+    before = t.clone()
+    collapsed = fused_moe.back_with_huge_pages(t)
+    assert 0 <= collapsed <= t.numel() * 4 and collapsed % (2 << 20) == 0
+    assert torch.equal(t, before)
+    monkeypatch.setenv("DELTASERVE_MOE_HUGE_PAGES", "0")
+    assert fused_moe.back_with_huge_pages(t) == 0
+
+
 def test_bad_expert_ids_are_refused():
     experts = _dense_experts(torch.float32)
     x = torch.randn(2, H)
