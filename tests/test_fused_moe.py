@@ -97,6 +97,18 @@ def test_accumulate_adds_and_threads_do_not_change_bits():
         assert torch.equal(experts(x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), step[t:t + 1])
 
 
+def _at_both_thread_counts(experts, x, weights, ids, threads):
+    """The experts' output at `threads` threads, and at the other count (1 <-> 2)."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours = experts(x, weights, ids)
+        torch.set_num_threads(3 - threads)
+        return ours, experts(x, weights, ids)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_decode_units_every_row_count(threads):
     """bf16 experts of 1 to 8 rows each (every decode tile's row count; with AVX-512 the split
@@ -113,14 +125,7 @@ def test_bf16_decode_units_every_row_count(threads):
     ids = torch.tensor(order, dtype=torch.int32).view(4, 9).T.contiguous()
     weights = torch.rand(9, 4, generator=g)
     x = torch.randn(9, hidden, generator=g)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        ours = experts(x, weights, ids)
-        torch.set_num_threads(3 - threads)
-        other = experts(x, weights, ids)
-    finally:
-        torch.set_num_threads(previous)
+    ours, other = _at_both_thread_counts(experts, x, weights, ids, threads)
     ref = fused_moe.experts_reference(x, weights, ids, experts)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2.0 ** -8 * ref.abs().max().item())
     assert torch.equal(ours, other)
@@ -144,14 +149,7 @@ def test_every_rows_per_expert_up_to_64(dtype, threads):
     ids = torch.tensor(order, dtype=torch.int32).view(4, 64).T.contiguous()
     weights = torch.rand(64, 4, generator=g)
     x = torch.randn(64, hidden, generator=g)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        ours = experts(x, weights, ids)
-        torch.set_num_threads(3 - threads)
-        other = experts(x, weights, ids)
-    finally:
-        torch.set_num_threads(previous)
+    ours, other = _at_both_thread_counts(experts, x, weights, ids, threads)
     ref = fused_moe.experts_reference(x, weights, ids, experts)
     bound = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=bound * ref.abs().max().item())

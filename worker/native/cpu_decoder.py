@@ -131,16 +131,21 @@ def load() -> NativeDecoder | None:
 _ROUTE_ARGS = [PTR, I64, I64, I64, I32, PTR, PTR]
 
 
+def _optional_entry(name: str, args: list, what: str) -> ctypes._CFuncPtr | None:
+    """An entry point of this library, or None (logged) where it cannot be built."""
+    try:
+        library = LIBRARY.path()
+    except UNAVAILABLE as e:
+        logger.warning("native %s unavailable, using torch: %s", what, e)
+        return None
+    return entry_point(library, name, args)
+
+
 @functools.cache
 def route() -> ctypes._CFuncPtr | None:
     """cpu_decoder_route (worker/kernels/moe_routing.h), or None where this library cannot be
     built (routing then stays in torch)."""
-    try:
-        library = LIBRARY.path()
-    except UNAVAILABLE as e:
-        logger.warning("native MoE routing unavailable, using torch: %s", e)
-        return None
-    return entry_point(library, "cpu_decoder_route", _ROUTE_ARGS)
+    return _optional_entry("cpu_decoder_route", _ROUTE_ARGS, "MoE routing")
 
 
 # lora, target, x, x_stride, y, y_stride, k, n, num_threads
@@ -149,9 +154,4 @@ _LORA_DELTA_ARGS = [PTR, I64, PTR, I64, PTR, I64, I64, I64, I32]
 
 @functools.cache
 def lora_delta() -> ctypes._CFuncPtr | None:
-    try:
-        library = LIBRARY.path()
-    except UNAVAILABLE as e:
-        logger.warning("native LoRA delta unavailable, using torch: %s", e)
-        return None
-    return entry_point(library, "cpu_decoder_lora_delta", _LORA_DELTA_ARGS)
+    return _optional_entry("cpu_decoder_lora_delta", _LORA_DELTA_ARGS, "LoRA delta")
