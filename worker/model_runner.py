@@ -133,9 +133,9 @@ class ModelRunner:
                         tensor_parallel=self.tp.world_size > 1)
         prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
         if self.dtype == torch.bfloat16 or self.tp.world_size > 1:
-            bf16_linear.agree(self.tp, self._copies_budget(config))
+            bf16_linear.agree(self.tp, self._copies_budget())
 
-    def _copies_budget(self, config: EngineConfig) -> bf16_linear.CopiesBudget | None:
+    def _copies_budget(self) -> bf16_linear.CopiesBudget | None:
         """The whole model's bytes on this host should a bf16 model take float32 copies:
         weights (bf16), copies (float32), every rank's KV cache (bf16) as the engine will
         size it (no draft model counted)."""
@@ -144,11 +144,7 @@ class ModelRunner:
         model, ranks = self.model_config, self.tp.world_size
         block_bytes = footprint.kv_block_bytes(model, self.block_size, ranks, 2)
         try:
-            blocks = determine_num_blocks(
-                block_bytes, self.device,
-                max_useful=config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1,
-                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                num_gpu_blocks_override=config.num_gpu_blocks_override, world_size=ranks)
+            blocks = self._kv_blocks(block_bytes, groups=1)
         except ValueError:  # too small a budget: the allocation says so after loading
             blocks = 0
         available, source = available_memory()
@@ -168,14 +164,18 @@ class ModelRunner:
         block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
         if self.drafter is not None:  # its cache has the same blocks
             block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
-        groups = len(self.kv_cache_spec.groups())
-        max_useful = (self.config.max_num_seqs * groups
-                      * -(-self.max_model_len // self.block_size) + 1)
+        return self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
+
+    def _kv_blocks(self, block_bytes: int, groups: int) -> int:
+        """The KV blocks this rank holds at `block_bytes` a block: the configured budget, at
+        most what max_num_seqs sequences of max_model_len tokens in `groups` groups use."""
+        config = self.config
+        max_useful = config.max_num_seqs * groups * -(-self.max_model_len // self.block_size) + 1
         return determine_num_blocks(
             block_bytes, self.device, max_useful=max_useful,
-            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
-            num_gpu_blocks_override=self.config.num_gpu_blocks_override,
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            gpu_memory_utilization=config.gpu_memory_utilization,
             world_size=self.tp.world_size)
 
     @torch.inference_mode()
