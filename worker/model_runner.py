@@ -96,18 +96,7 @@ class ModelRunner:
         # Each group's window, in the order block ids travel (empty: one full-attention group).
         self.sliding_windows = ([g.sliding_window for g in groups]
                                 if len(groups) > 1 or groups[0].sliding_window else [])
-        layer_groups = [0] * self.kv_cache_spec.num_layers
-        for g, group in enumerate(groups):
-            for layer in group.layers:
-                layer_groups[layer] = g
-        self.input_batch = InputBatch(self.max_model_len, self.block_size, self.device,
-                                      num_kv_blocks=self.num_blocks,
-                                      vocab_size=self.model_config.vocab_size,
-                                      sliding_windows=tuple(self.sliding_windows) or (0,),
-                                      layer_groups=tuple(layer_groups),
-                                      layer_windows=tuple(
-                                          self.kv_cache_spec.window(i)
-                                          for i in range(self.kv_cache_spec.num_layers)))
+        self.input_batch = self._make_input_batch()
         # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
         self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
         self.last_step = 0
@@ -123,6 +112,20 @@ class ModelRunner:
             self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
                                            self.input_batch, self.tp.rank == 0, selects)
             self.output_rows = self.output_head.rows_needed
+
+    def _make_input_batch(self) -> InputBatch:
+        """The persistent batch, with each layer's KV group and window."""
+        spec = self.kv_cache_spec
+        layer_groups = [0] * spec.num_layers
+        for g, group in enumerate(spec.groups()):
+            for layer in group.layers:
+                layer_groups[layer] = g
+        return InputBatch(self.max_model_len, self.block_size, self.device,
+                          num_kv_blocks=self.num_blocks,
+                          vocab_size=self.model_config.vocab_size,
+                          sliding_windows=tuple(self.sliding_windows) or (0,),
+                          layer_groups=tuple(layer_groups),
+                          layer_windows=tuple(spec.window(i) for i in range(spec.num_layers)))
 
     def _prepare_cpu(self, config: EngineConfig) -> None:
         """Before the model loads: every kernel it uses compiled now (never in a step), and
