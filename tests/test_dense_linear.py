@@ -1,8 +1,8 @@
 """16-bit dense linear layers (UnquantizedLinearMethod) through gguf_matmul's dense driver on
 the plain weight rows: up to gguf_ops.DENSE_ROWS rows where oneDNN does not pack the weight,
 every row count (and no packed bf16 copy) where this CPU's bf16 products are slow, the float32
-copy from FLOAT32_ROWS rows on the float32 route. Each product equals the float32 product of
-the 16-bit values up to summation order, rounded to the compute dtype. Both kinds of host are
+copy from bf16_linear.dense_float32_rows() rows on the float32 route. Each product equals the
+float32 product of the 16-bit values up to summation order, rounded to the compute dtype. Both kinds of host are
 laid out here whatever this one is, by setting what the start-up probe would have found."""
 from __future__ import annotations
 
@@ -100,15 +100,17 @@ def test_slow_bf16_products_keep_one_copy_for_every_row_count(ops, host, threads
 
 
 def test_float32_route_dense_below_the_copy(ops, host, threads):
-    """On the float32 route with slow bf16 products: below FLOAT32_ROWS the dense driver on the
-    bf16 rows, from it the packed float32 copy; float32 out, x · W.float()ᵀ to float32 sums."""
+    """On the float32 route with slow bf16 products: below dense_float32_rows() the dense
+    driver on the bf16 rows (bf16_panels from 9 rows), from it the packed float32 copy;
+    float32 out, x · W.float()ᵀ to float32 sums."""
     if not onednn_linear.enabled(torch.device("cpu")):
         pytest.skip("no oneDNN packing (DELTASERVE_ONEDNN=0 or torch without it): no float32 copy")
     host(slow=True, route=bf16_linear.FLOAT32)
     threads(2)
     for layer in _layers(torch.bfloat16):
         assert layer.weight_float32 is not None and not layer.weight.is_mkldnn
-        for rows in (1, bf16_linear.FLOAT32_ROWS - 1, bf16_linear.FLOAT32_ROWS, 100):
+        bound = bf16_linear.dense_float32_rows()
+        for rows in (1, 31, 32, bound - 1, bound, 100):
             x = torch.randn(rows, layer.weight_rows.shape[1])
             y = layer(x)
             assert y.dtype == torch.float32

@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,16 @@ namespace {
 #include "gguf_a8.h"
 #include "w8a8.h"
 #include "dense_blocks.h"
+#include "bf16_panels.h"
+
+// drive<Q>, or bf16_panels for bf16 rows at the row counts it takes.
+template <class Q>
+void drive_dense(const Args& a) {
+    if constexpr (std::is_same_v<Q, Dense<bf16>>) {
+        if (panels_take(a.m, a.k)) return panels_drive(a);
+    }
+    drive<Q>(a);
+}
 
 }  // namespace
 
@@ -94,10 +105,10 @@ int gguf_matmul(int qtype, const void* w, int64_t w_stride, const float* x, int6
     const bool known = with_weight_type(qtype, [&]<class Q>() {
         if (k % Q::kElems) status = 1;
         else if (m == 0 || n == 0) return;
-        else if (num_threads == 0) drive<Q>(a);  // a step of the caller's region
+        else if (num_threads == 0) drive_dense<Q>(a);  // a step of the caller's region
         else {
 #pragma omp parallel num_threads(num_threads) if (parallel)
-            drive<Q>(a);
+            drive_dense<Q>(a);
         }
     });
     return known ? status : 2;

@@ -33,12 +33,23 @@ import torch
 
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.layers import onednn_linear
+from worker.native import gguf_ops
 
 logger = logging.getLogger("deltaserve")
 
 ENV_SWITCH = "DELTASERVE_BF16_LINEARS"
 FLOAT32, BFLOAT16 = "float32", "bfloat16"
 FLOAT32_ROWS = 32  # rows from which the float32 copy multiplies (below: the bf16 weight)
+# Where the bf16 weight's plain rows are multiplied by gguf_matmul's dense driver instead (a
+# CPU with the GGUF library), its bf16_panels kernel (worker/kernels/bf16_panels.h) reads the
+# bf16 bytes once and outran oneDNN's packed float32 copy up to 64 rows (AVX-512 host, 2
+# threads, medians of 5 interleaved rounds; benchmarks/bench_dense_rows.py): LM head
+# [M, 1024] x [32000, 1024]: 8.2 vs 12.7 ms at 32 rows, 16.1 vs 18.1 at 64, 33.8 vs 31.1
+# at 128; q/k/v [2560, 1024]: 0.66 vs 0.72 ms at 32, 1.23 vs 1.18 at 64, 2.44 vs 2.21 at
+# 128 (o [1024, 2048] alike). So with 16-lane (AVX-512) panels the copy takes over from
+# PANEL_FLOAT32_ROWS rows; with 8-lane (AVX2) ones, not measured, from FLOAT32_ROWS as before.
+PANEL_FLOAT32_ROWS = 65
+COPY_ROWS_SWITCH = "DELTASERVE_BF16_COPY_ROWS"  # forces that bound (A/B runs)
 PROBE_MARGIN = 1.3
 _PROBE_SHAPE = (128, 512, 256)  # m, n, k: 16.8M multiply-adds, weights 256 KiB in bf16
 _PROBE_ROUNDS = 5
@@ -172,6 +183,19 @@ def float32_copy(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     packed = onednn_linear.pack(weight.detach().float())
     return packed if packed.is_mkldnn else None
+
+
+@functools.cache
+def dense_float32_rows() -> int:
+    """Rows from which a bf16 weight on the float32 route multiplies by its float32 copy where
+    the dense driver multiplies its plain rows below (see PANEL_FLOAT32_ROWS)."""
+    forced = os.environ.get(COPY_ROWS_SWITCH, "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{COPY_ROWS_SWITCH} must be a positive row count, got {forced!r}")
+        return int(forced)
+    ops = gguf_ops.native()
+    return PANEL_FLOAT32_ROWS if ops is not None and ops.simd_width == 16 else FLOAT32_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_float32: torch.Tensor,

@@ -43,8 +43,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
       ~17 GB/s here). It takes up to `dense_rows` rows: every row count where this CPU's bf16
       products are slower than its float32 FMAs (then no packed bf16 copy is made), else up
       to DENSE_ROWS where oneDNN does not pack the weight.
-    - `weight_float32`, a packed float32 copy of a bfloat16 weight, for FLOAT32_ROWS rows and
-      more where float32 FMAs outrun bf16 products; the layer then takes and returns float32.
+    - `weight_float32`, a packed float32 copy of a bfloat16 weight, where float32 FMAs outrun
+      bf16 products: for `bf16_linear.dense_float32_rows()` rows and more beside the plain
+      rows (below it the dense driver), else FLOAT32_ROWS; the layer takes and returns float32.
 
     A weight is held once, or twice (its bf16 bytes and the float32 copy's) on the float32
     route; `DELTASERVE_BF16_LINEARS=bfloat16` keeps one copy."""
@@ -87,7 +88,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         n, k = rows.shape
         matrix = DenseRows(rows.view(torch.uint8), gguf_ops.DENSE_CODES[rows.dtype], k)
         return NativeWeights(((matrix, 0, n),),
-                             max_rows=min(layer.dense_rows, bf16_linear.FLOAT32_ROWS - 1))
+                             max_rows=min(layer.dense_rows, bf16_linear.dense_float32_rows() - 1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +96,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         ops = getattr(layer, "dense_ops", None)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (ops is not None and x.dim() == 2 and rows <= layer.dense_rows
-                and (weight_float32 is None or rows < bf16_linear.FLOAT32_ROWS)):
+                and (weight_float32 is None or rows < bf16_linear.dense_float32_rows())):
             y = ops.dense_matmul(x.float(), layer.weight_rows)
             y = y if bias is None else y.add_(bias)
             return y if weight_float32 is not None else y.to(x.dtype)
@@ -128,7 +129,8 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
     CPU with the GGUF library is multiplied as it is (its weights widened to float32 in
     registers, float32 sums: the float32 copy's values, reading half the bytes); elsewhere
     `weight_float32` is a float32 copy. A bfloat16 table where float32 FMAs outrun bf16
-    products (bf16_linear.py) also gets the packed float32 copy, used from FLOAT32_ROWS rows.
+    products (bf16_linear.py) also gets the packed float32 copy, used from
+    `bf16_linear.dense_float32_rows()` rows.
     `weight` stays the dense table a tied embedding shares."""
 
     def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int) -> None:
@@ -150,7 +152,8 @@ class UnquantizedLMHeadMethod(LinearMethodBase):
         """x [n, hidden] -> [n, rows_per_rank] float32."""
         if layer.dense_ops is not None:
             rows = x.numel() // x.shape[-1]
-            if layer.weight_float32 is not None and rows >= bf16_linear.FLOAT32_ROWS:
+            if (layer.weight_float32 is not None
+                    and rows >= bf16_linear.dense_float32_rows()):
                 return onednn_linear.linear(x.float(), layer.weight_float32,
                                             None if bias is None else bias.float())
             logits = layer.dense_ops.dense_matmul(x.float(), layer.weight.data)

@@ -1,0 +1,145 @@
+// bf16_panels: y[M, N] (+)= x[M, K] · W[N, K]^T for bfloat16 weight rows at a decode batch's
+// row count (DIRECT_ROWS < M, x small enough to stay in L2: PANEL_X_BYTES), the bf16 linears
+// of a 32-128-row step (LM head, q/k/v, o) on a CPU whose float32 FMAs outrun its bf16
+// products (worker/layers/bf16_linear.py). Included inside gguf_matmul.cpp's anonymous
+// namespace, after gguf_drive.h (Args, thread_buffer, ACC, transpose, broadcast).
+//
+// Why not the strips driver (gguf_gemm.h): at 32 rows each stage of 12 rows x 1024 k (48 KB,
+// all of L1) is written, then read once by one xᵀ tile; its weights come from memory in a
+// burst between the tiles' FMAs, unprefetched. The 32000 x 1024 LM head then ran at 44 GMAC/s
+// on one core of 87 (and oneDNN's packed float32 copy at 41, reading 2x the bytes). Here the
+// weights go from their rows to registers to a 1.5 KB stage, a line at a time, while the rows
+// of the thread's next panel are prefetched to L2 during the current one's FMAs.
+//
+// Layout. A panel is RN = ACC / NVM weight rows; each 64-byte line of a row (2W bf16 weights,
+// k = 2W s ... 2W s + 2W - 1) is widened to float32 by two integer operations: the even
+// elements are the 32-bit lanes shifted left by 16, the odd ones the lanes with their low 16
+// bits cleared (bf16 is the high half of a float32). So within each block of 2W k the stage
+// and xᵀ hold k in the order (0, 2, ..., 2W - 2, 1, 3, ..., 2W - 1):
+//   stage[r * 2W + p]              weight row n0 + r, k = 2W s + perm(p)
+//   xt[(2W s + p) * MV + i]        x row t MV + i of tile t, k = 2W s + perm(p) (zero past M)
+// The register tile acc[r][j] (lane i: x row t MV + jW + i) += broadcast(stage[r][p]) ·
+// xt[p][jW ...] runs over all of K for each xᵀ tile, so each y element is one lane's float32
+// sum over k in that fixed order: the result is x · W.float()ᵀ up to summation order, the
+// same bits for any thread count (a panel is one thread's) and for both layer loops (both
+// call gguf_matmul with the same arguments).
+//
+// Threads take contiguous ranges of panels (each weight byte read once, in address order);
+// every panel runs all the xᵀ tiles, which stay in L2 (xt is at most PANEL_X_BYTES).
+#pragma once
+
+constexpr int64_t PANEL_X_BYTES = 1 << 20;  // x [M, K] float32 up to this: bf16_panels
+
+// Whether bf16_panels takes a bf16 product of m rows of k (else gguf_drive.h's drivers).
+inline bool panels_take(int64_t m, int64_t k) {
+    return m > DIRECT_ROWS && m * k * 4 <= PANEL_X_BYTES && k % (2 * W) == 0;
+}
+
+// xt tile (MV rows from m0) in the panel order above: rows past m are zeros.
+template <int MV>
+void pack_panel_xt(const float* x, int64_t x_stride, int64_t m, int64_t m0, int64_t k,
+                   float* xt) {
+    for (int g = 0; g < MV; g += W)
+        for (int64_t kk = 0; kk < k; kk += 2 * W) {
+            Vec even[W], odd[W];
+#pragma GCC unroll 16
+            for (int i = 0; i < W; ++i) {
+                const bool in = m0 + g + i < m;
+                const float* row = x + (m0 + g + i) * x_stride + kk;
+                const Vec lo = in ? load(row) : Vec{}, hi = in ? load(row + W) : Vec{};
+                even[i] = [&]<int... I>(std::integer_sequence<int, I...>) {
+                    return __builtin_shufflevector(lo, hi, (2 * I)...);
+                }(std::make_integer_sequence<int, W>{});
+                odd[i] = [&]<int... I>(std::integer_sequence<int, I...>) {
+                    return __builtin_shufflevector(lo, hi, (2 * I + 1)...);
+                }(std::make_integer_sequence<int, W>{});
+            }
+            transpose(even);
+            transpose(odd);
+#pragma GCC unroll 16
+            for (int p = 0; p < W; ++p) {
+                store(xt + (kk + p) * MV + g, even[p]);
+                store(xt + (kk + W + p) * MV + g, odd[p]);
+            }
+        }
+}
+
+// out[r * MV + i] = Σ_k weight row r · xt tile row i over all of K (rows[r]: its first byte);
+// prefetches next[r]'s lines at the same offsets to L2 when `next` is set.
+template <int NVM, int RN>
+SIMD_INLINE void panel_tile(const uint8_t* const (&rows)[RN], const uint8_t* const* next,
+                            const float* xt, int64_t k, float* out) {
+    constexpr int MV = NVM * W;
+    Vec acc[RN][NVM] = {};
+    alignas(64) float stage[RN * 2 * W];
+    for (int64_t s = 0; s < k / (2 * W); ++s) {
+        const int64_t offset = s * 4 * W;  // bytes of 2W bf16
+#pragma GCC unroll 32
+        for (int r = 0; r < RN; ++r) {
+            if (next) __builtin_prefetch(next[r] + offset, 0, 2);
+            VecU32 line;
+            std::memcpy(&line, rows[r] + offset, sizeof line);
+            store(stage + r * 2 * W, (Vec)(line << 16));
+            store(stage + r * 2 * W + W, (Vec)(line & 0xFFFF0000u));
+        }
+        const float* xs = xt + s * 2 * W * MV;
+#pragma GCC unroll 2
+        for (int p = 0; p < 2 * W; ++p) {
+            Vec xv[NVM];
+#pragma GCC unroll 4
+            for (int j = 0; j < NVM; ++j) xv[j] = in_register(load(xs + p * MV + j * W));
+#pragma GCC unroll 32
+            for (int r = 0; r < RN; ++r) {
+                const Vec a = broadcast(stage[r * 2 * W + p]);
+#pragma GCC unroll 4
+                for (int j = 0; j < NVM; ++j) acc[r][j] += a * xv[j];
+            }
+        }
+    }
+#pragma GCC unroll 32
+    for (int r = 0; r < RN; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NVM; ++j) store(out + r * MV + j * W, acc[r][j]);
+}
+
+// One panel (weight rows n0 ... n0 + RN, clipped to N) times every xᵀ tile of NVM vectors.
+template <int NVM>
+void panel_unit(const Args& a, int64_t n0, const float* xt) {
+    constexpr int MV = NVM * W, RN = ACC / NVM;
+    const int cols = static_cast<int>(std::min<int64_t>(RN, a.n - n0));
+    const uint8_t* rows[RN];
+    const uint8_t* next[RN];
+    for (int r = 0; r < RN; ++r) {
+        rows[r] = a.w + std::min<int64_t>(n0 + r, a.n - 1) * a.w_stride;  // past N: repeats
+        next[r] = a.w + std::min<int64_t>(n0 + RN + r, a.n - 1) * a.w_stride;
+    }
+    const int64_t tiles = (a.m + MV - 1) / MV;
+    float out[RN * MV];
+    for (int64_t t = 0; t < tiles; ++t) {
+        panel_tile<NVM, RN>(rows, t == 0 ? next : nullptr, xt + t * MV * a.k, a.k, out);
+        store_transposed<MV>(out, static_cast<int>(std::min<int64_t>(MV, a.m - t * MV)), cols,
+                             a.y + t * MV * a.y_stride + n0, a.y_stride, a.accumulate);
+    }
+}
+
+// The driver, called by every thread of a parallel region (or by one thread outside any):
+// xᵀ packed by all (tiles split), then contiguous ranges of panels per thread.
+template <int NVM>
+void panel_units(const Args& a) {
+    constexpr int MV = NVM * W, RN = ACC / NVM;
+    const int64_t tiles = (a.m + MV - 1) / MV, panels = (a.n + RN - 1) / RN;
+    float* xt = nullptr;
+#pragma omp single copyprivate(xt)
+    xt = thread_buffer(0, tiles * MV * a.k);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+        pack_panel_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < panels; ++u) panel_unit<NVM>(a, u * RN, xt);
+}
+
+// bf16_panels for the row count: tiles of 2W rows (2 vectors each), or of W rows up to W.
+inline void panels_drive(const Args& a) {
+    if (a.m <= W) panel_units<1>(a);
+    else panel_units<2>(a);
+}
