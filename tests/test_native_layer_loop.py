@@ -199,7 +199,7 @@ def test_bf16_models_equal_the_python_loop(bf16_dir):
     assert r.kv_caches[0][0].dtype == torch.bfloat16
     assert _check_equal_to_loop(r) > 6
     # 5 prefills up to 30 rows, 6 decodes, 1 mixed; and the 62-row step where the dense
-    # driver takes it (bf16_panels with AVX-512: 32 + 30 rows)
+    # driver takes 62 rows (DELTASERVE_BF16_COPY_ROWS past it)
     assert r.model.model.native_loop.steps == (13 if loop.max_rows >= 62 else 12)
 
 

@@ -42,13 +42,15 @@ FLOAT32, BFLOAT16 = "float32", "bfloat16"
 FLOAT32_ROWS = 32  # rows from which the float32 copy multiplies (below: the bf16 weight)
 # Where the bf16 weight's plain rows are multiplied by gguf_matmul's dense driver instead (a
 # CPU with the GGUF library), its bf16_panels kernel (worker/kernels/bf16_panels.h) reads the
-# bf16 bytes once and outran oneDNN's packed float32 copy up to 64 rows (AVX-512 host, 2
-# threads, medians of 5 interleaved rounds; benchmarks/bench_dense_rows.py): LM head
-# [M, 1024] x [32000, 1024]: 8.2 vs 12.7 ms at 32 rows, 16.1 vs 18.1 at 64, 33.8 vs 31.1
-# at 128; q/k/v [2560, 1024]: 0.66 vs 0.72 ms at 32, 1.23 vs 1.18 at 64, 2.44 vs 2.21 at
-# 128 (o [1024, 2048] alike). So with 16-lane (AVX-512) panels the copy takes over from
-# PANEL_FLOAT32_ROWS rows; with 8-lane (AVX2) ones, not measured, from FLOAT32_ROWS as before.
-PANEL_FLOAT32_ROWS = 65
+# bf16 bytes once; against oneDNN's packed float32 copy (AVX-512 host, 2 threads, medians of
+# 5 interleaved rounds, benchmarks/bench_dense_rows.py, three runs 05:38-05:57 UTC) it won at
+# 16 and 32 rows in every run: LM head [M, 1024] x [32000, 1024] at 32 rows 8.1-8.2 vs
+# 11.6-12.7 ms (13.4 vs 14.9 in a slow hour), q/k/v [2560, 1024] 0.66-0.95 vs 0.72-1.07 ms,
+# o [1024, 2048] about even (0.51-0.84 vs 0.55-0.76). From 48 rows the copy won on q/k/v and
+# o in two runs of three (48 rows run a half-empty 32-row tile), so with 16-lane (AVX-512)
+# panels the copy takes over from PANEL_FLOAT32_ROWS rows; with 8-lane (AVX2) ones, not
+# measured, from FLOAT32_ROWS as before.
+PANEL_FLOAT32_ROWS = 33
 COPY_ROWS_SWITCH = "DELTASERVE_BF16_COPY_ROWS"  # forces that bound (A/B runs)
 PROBE_MARGIN = 1.3
 _PROBE_SHAPE = (128, 512, 256)  # m, n, k: 16.8M multiply-adds, weights 256 KiB in bf16
