@@ -134,7 +134,7 @@ def _probed() -> str:
     bf16_s, f32_s = _probe()
     chosen = FLOAT32 if bf16_s > PROBE_MARGIN * f32_s else BFLOAT16
     logger.info("bf16 linears: packed bf16 %.0f us, float32 %.0f us per probe product: %s "
-                "from %d rows%s", bf16_s * 1e6, f32_s * 1e6, chosen, FLOAT32_ROWS,
+                "from %d rows%s", bf16_s * 1e6, f32_s * 1e6, chosen, dense_float32_rows(),
                 " (a float32 copy beside each bf16 weight; DELTASERVE_BF16_LINEARS=bfloat16 "
                 "keeps one copy)" if chosen == FLOAT32 and not os.environ.get(ENV_SWITCH) else "")
     return chosen
