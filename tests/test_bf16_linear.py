@@ -218,7 +218,9 @@ def test_tensor_parallel_engine_on_a_small_host(model_dir, monkeypatch, capfd):
     monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
     monkeypatch.setenv(memory.LIMIT_ENV, SMALL_HOST[memory.LIMIT_ENV])
     prompts = PROMPTS["mixed"]
-    with LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256) as llm:
+    # (a cache of its own size: the default one, a quarter of 64 KiB, would not hold 2 blocks)
+    with LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256,
+             num_gpu_blocks_override=64) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)

@@ -14,9 +14,9 @@ from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
 from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.host.memory import available_memory
+from worker.host.memory import available_memory, byte_size
 from worker.input_batch import InputBatch, StepProtocolError, as_array
-from worker.kv_cache import allocate_kv_cache, determine_num_blocks
+from worker.kv_cache import KVCacheSize, allocate_kv_cache, determine_num_blocks
 from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
@@ -147,7 +147,7 @@ class ModelRunner:
         model, ranks = self.model_config, self.tp.world_size
         block_bytes = footprint.kv_block_bytes(model, self.block_size, ranks, 2)
         try:
-            blocks = self._kv_blocks(block_bytes, groups=1)
+            blocks = self._kv_blocks(block_bytes, groups=1).num_blocks
         except ValueError:  # too small a budget: the allocation says so after loading
             blocks = 0
         available, source = available_memory()
@@ -167,9 +167,13 @@ class ModelRunner:
         block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
         if self.drafter is not None:  # its cache has the same blocks
             block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
-        return self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
+        size = self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
+        if self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens, %s per rank (%s)", size.num_blocks,
+                        self.block_size, byte_size(size.num_blocks * block_bytes), size.reason)
+        return size.num_blocks
 
-    def _kv_blocks(self, block_bytes: int, groups: int) -> int:
+    def _kv_blocks(self, block_bytes: int, groups: int) -> KVCacheSize:
         """The KV blocks this rank holds at `block_bytes` a block: the configured budget, at
         most what max_num_seqs sequences of max_model_len tokens in `groups` groups use."""
         config = self.config
