@@ -141,18 +141,19 @@ class ModelRunner:
     def _copies_budget(self) -> bf16_linear.CopiesBudget | None:
         """The whole model's bytes on this host should a bf16 model take float32 copies:
         weights (bf16), copies (float32), every rank's KV cache (bf16) as the engine will
-        size it (no draft model counted)."""
+        size it; a draft model's too (its linears take the same route)."""
         if self.dtype != torch.bfloat16:
             return None
-        model, ranks = self.model_config, self.tp.world_size
-        block_bytes = footprint.kv_block_bytes(model, self.block_size, ranks, 2)
+        models, ranks = footprint.held(self.model_config, self.config), self.tp.world_size
+        block_bytes = sum(footprint.kv_block_bytes(m, self.block_size, ranks, 2) for m in models)
         try:
             blocks = self._kv_blocks(block_bytes, groups=1).num_blocks
         except ValueError:  # too small a budget: the allocation says so after loading
             blocks = 0
         available, source = available_memory()
         return bf16_linear.CopiesBudget(
-            copies=4 * footprint.linear_weights(model), weights=2 * footprint.weights(model),
+            copies=4 * sum(map(footprint.linear_weights, models)),
+            weights=2 * sum(map(footprint.weights, models)),
             kv_cache=ranks * blocks * block_bytes, available=available, source=source)
 
     def _max_model_len(self) -> int:
