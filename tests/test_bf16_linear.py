@@ -285,3 +285,46 @@ def test_tensor_parallel_engine_on_a_small_host(model_dir, monkeypatch, capfd):
     assert_follows_float32([o.outputs[0].token_ids for o in outs],
                            hf_greedy(model_dir, prompts, MAX_NEW))
     assert capfd.readouterr().err.count("do not fit beside") == 2  # one line per rank
+
+
+def test_a_float32_tensor_parallel_engine_probes_nothing(tmp_path, monkeypatch, capfd):
+    """No rank computes in bf16: no vote, no probe, no bf16 line."""
+    from launch import LLM
+    from protocol import SamplingParams
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    model = _bf16_model(tmp_path)
+    with LLM(model, tensor_parallel_size=2, dtype="float32", max_model_len=256,
+             num_gpu_blocks_override=64) as llm:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert "bf16 linears" not in capfd.readouterr().err
+
+
+def _bf16_model(tmp_path) -> str:
+    from model_utils import make_tiny_model
+    return make_tiny_model(str(tmp_path / "model"), "llama", dtype=torch.bfloat16)
+
+
+def _mixed_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 0's CPU multiplies bf16 natively, rank 1's does not (it computes in float32):
+    both still take part in the route's vote (a rank skipping it left the other waiting)."""
+    import os
+
+    from worker.distributed.tensor_parallel import TensorParallel
+    os.environ[ENV_OVERRIDE] = ("1", "0")[rank]
+    os.environ[bf16_linear.ENV_SWITCH] = bf16_linear.FLOAT32
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"))
+    runner = ModelRunner(EngineConfig(model=os.path.join(out_dir, "model"), dtype="bfloat16",
+                                      tensor_parallel_size=2, num_gpu_blocks_override=8), tp)
+    torch.save([runner.dtype, bf16_linear.route()], os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def test_ranks_of_different_cpus_vote_alike(tmp_path):
+    from test_shm_all_reduce import _run_group
+    _bf16_model(tmp_path)
+    per_rank = _run_group(tmp_path, _mixed_rank)
+    assert [dtype for dtype, _ in per_rank] == [torch.bfloat16, torch.float32]
+    assert {route for _, route in per_rank} == {bf16_linear.FLOAT32}

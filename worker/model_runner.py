@@ -135,8 +135,17 @@ class ModelRunner:
                         or config.speculative_config is not None,
                         tensor_parallel=self.tp.world_size > 1)
         prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
-        if self.dtype == torch.bfloat16 or self.tp.world_size > 1:
+        if self._bf16_in_group():
             bf16_linear.agree(self.tp, self._copies_budget())
+
+    def _bf16_in_group(self) -> bool:
+        """Whether some rank may compute in bf16 (`agree` is a collective: every rank must
+        answer alike). One rank: its dtype. At TP > 1 the dtype asked for, the same on every
+        rank: a rank whose CPU has no native bf16 computes in float32 yet still votes."""
+        if self.tp.world_size == 1:
+            return self.dtype == torch.bfloat16
+        requested = self.model_config.resolve_dtype(self.config.dtype)
+        return self.quantization == "none" and requested == torch.bfloat16
 
     def _copies_budget(self) -> bf16_linear.CopiesBudget | None:
         """The whole model's bytes on this host should a bf16 model take float32 copies:
