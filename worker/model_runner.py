@@ -54,16 +54,7 @@ class ModelRunner:
         self.model_config = load_model_config(config.model)
         self.quantization = resolve_quantization(config.quantization,
                                                  self.model_config.quantization)
-        if self.quantization != "none" and self.device.type != "cpu":
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
-        # The dtype of weights, activations and KV cache (float32 on a CPU without native
-        # support for the requested half dtype, and with quantized weights); residual stream
-        # and norms are float32.
-        self.dtype = (torch.float32 if self.quantization != "none" else resolve_compute_dtype(
-            self.model_config.resolve_dtype(config.dtype), self.device))
-        if self.quantization != "none" and config.dtype not in ("auto", "float32"):
-            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
-                           "dense weights only", self.quantization, config.dtype)
+        self.dtype = self._compute_dtype()
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         if self.device.type == "cpu":
@@ -77,25 +68,8 @@ class ModelRunner:
             self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        spec = config.speculative_config
-        self.drafter: DraftModelProposer | None = None  # a draft model, with its KV cache
-        if spec is not None and spec.method == "draft_model":
-            self.drafter = DraftModelProposer(spec.model, self.model_config, self.dtype,
-                                              self.device, self.tp, self.attention,
-                                              self.max_model_len, self.sampler.generator)
-        if self.drafter is not None and (self.kv_cache_spec.groups()[0].sliding_window
-                                         or any(self.drafter.kv_cache_spec.sliding_windows)):
-            raise ValueError("a draft model needs full-attention layers in the target (its KV "
-                             "follows their blocks) and none with a sliding window itself")
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
-                                           self.block_size, self.device)
-        if self.drafter is not None:
-            self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
-        groups = self.kv_cache_spec.groups()
-        # Each group's window, in the order block ids travel (empty: one full-attention group).
-        self.sliding_windows = ([g.sliding_window for g in groups]
-                                if len(groups) > 1 or groups[0].sliding_window else [])
+        self.drafter = self._make_drafter()  # a draft model, with its KV cache
+        self._allocate_kv_cache()
         self.input_batch = self._make_input_batch()
         # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
         self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
@@ -106,12 +80,58 @@ class ModelRunner:
         self.output_rows: Callable[[SchedulerOutput, StepInputs], torch.Tensor | None] = (
             lambda so, step: None)
         if config.runner == "pooling":
-            classifier = self.model.classify if config.convert == "classify" else None
-            # (LoRA deltas are per token row: the model then returns every row)
-            selects = getattr(self.model, "selects_rows", False) and not config.enable_lora
-            self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
-                                           self.input_batch, self.tp.rank == 0, selects)
-            self.output_rows = self.output_head.rows_needed
+            self._pool_outputs()
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype of weights, activations and KV cache (float32 on a CPU without native
+        support for the requested half dtype, and with quantized weights); residual stream
+        and norms are float32."""
+        config = self.config
+        if self.quantization == "none":
+            return resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
+                                         self.device)
+        if self.device.type != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
+        if config.dtype not in ("auto", "float32"):
+            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
+                           "dense weights only", self.quantization, config.dtype)
+        return torch.float32
+
+    def _make_drafter(self) -> DraftModelProposer | None:
+        """The draft model where speculative decoding proposes with one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        drafter = DraftModelProposer(spec.model, self.model_config, self.dtype, self.device,
+                                     self.tp, self.attention, self.max_model_len,
+                                     self.sampler.generator)
+        if (self.kv_cache_spec.groups()[0].sliding_window
+                or any(drafter.kv_cache_spec.sliding_windows)):
+            raise ValueError("a draft model needs full-attention layers in the target (its KV "
+                             "follows their blocks) and none with a sliding window itself")
+        return drafter
+
+    def _allocate_kv_cache(self) -> None:
+        """The KV cache (the target's, and the draft's over the same blocks) and each KV
+        group's window, in the order block ids travel (empty: one full-attention group)."""
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
+                                           self.block_size, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
+        groups = self.kv_cache_spec.groups()
+        self.sliding_windows = ([g.sliding_window for g in groups]
+                                if len(groups) > 1 or groups[0].sliding_window else [])
+
+    def _pool_outputs(self) -> None:
+        """A pooling model's step end: its pooler over the rows it needs."""
+        config = self.config
+        classifier = self.model.classify if config.convert == "classify" else None
+        # (LoRA deltas are per token row: the model then returns every row)
+        selects = getattr(self.model, "selects_rows", False) and not config.enable_lora
+        self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
+                                       self.input_batch, self.tp.rank == 0, selects)
+        self.output_rows = self.output_head.rows_needed
 
     def _make_input_batch(self) -> InputBatch:
         """The persistent batch, with each layer's KV group and window."""
