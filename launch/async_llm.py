@@ -6,42 +6,35 @@
 
 Requests join the engine's running batch whenever they arrive. One asyncio task, the output
 handler, reads the engine core's output socket and routes each output to its request's
-`RequestStream`; it also notices the engine's death and then fails every stream with
-`EngineDeadError` (and every later call raises it at once).
+`RequestStream` (launch/output_handler.py); it also notices the engine's death and then
+fails every stream with `EngineDeadError` (and every later call raises it at once). Pooling
+calls: launch/async_pooling.py.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
-import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
-from launch.client.engine_client import POLL_MS, OutputBatch
+from launch.async_pooling import AsyncPoolingMixin
 from launch.client.startup import start_engine
 from launch.errors import EngineDeadError
 from launch.lora.registry import LoRARegistry
 from launch.metrics.stats import IterationStats, StatLogger
+from launch.output_handler import OutputHandlerMixin
 from launch.outputs import RequestOutput, RequestOutputKind
-from launch.pooling_outputs import PoolingRequestOutput
 from launch.processing.input_processor import ProcessedInput, PromptType
 from launch.processing.output_processor import OutputProcessor
-from launch.processing.pooling import PooledInput
-from launch.processing.pooling_state import POOLING_SAMPLING, PoolingRequestState
 from launch.processing.request_state import RequestState
 from launch.processing.request_stream import RequestStream
-from protocol import PoolingParams, SamplingParams, SchedulerStats
+from protocol import SamplingParams
 from protocol.lora import LoRARequest
 
-logger = logging.getLogger("deltaserve")
 
-
-class AsyncLLM:
+class AsyncLLM(AsyncPoolingMixin, OutputHandlerMixin):
     """Starts the engine (the engine options of `EngineConfig` as keyword arguments) and
     serves `generate` calls from any number of asyncio tasks of one event loop."""
 
@@ -160,46 +153,6 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort_request(request_id)
 
-    def process_pooling_inputs(self, prompt: PromptType, params: PoolingParams | None,
-                               task: str | None = None, add_special_tokens: bool = True,
-                               truncate_prompt_tokens: int | None = None,
-                               truncation_side: str | None = None) -> PooledInput:
-        """`process_inputs` for a pooling engine: ValueError naming the field, or the runner
-        for a generating one."""
-        return self.inputs.process_pooling(prompt, params, task, add_special_tokens,
-                                           truncate_prompt_tokens, truncation_side)
-
-    def add_pooling_request(self, request_id: str, inputs: PooledInput,
-                            priority: int = 0) -> RequestStream:
-        """Submit a processed pooling request now; its one output arrives on the stream."""
-        self._check_alive()
-        if request_id in self.streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.start()
-        state = PoolingRequestState.of(request_id, inputs)
-        self.engine.add_requests([self.inputs.make_request(
-            request_id, inputs.prompt_token_ids, POOLING_SAMPLING, state.times.arrival,
-            priority, pooling_params=inputs.params)])
-        self.output_processor.add_request(state)
-        stream = self.streams[request_id] = RequestStream(state, RequestOutputKind.FINAL_ONLY)
-        return stream
-
-    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, *, priority: int = 0,
-                     pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
-                     ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        """Yield the request's pooled output once it is ready (vLLM's `AsyncLLM.encode`)."""
-        request_id = request_id if request_id is not None else f"async-{id(object())}"
-        inputs = self.process_pooling_inputs(prompt, pooling_params, pooling_task,
-                                             truncate_prompt_tokens=truncate_prompt_tokens)
-        stream = self.add_pooling_request(request_id, inputs, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort_request(request_id)
-
     async def abort(self, request_id: str) -> None:
         """End the request: its stream gets a last output with finish_reason "abort"."""
         self.abort_request(request_id)
@@ -221,85 +174,11 @@ class AsyncLLM:
             except EngineDeadError:
                 pass  # the output handler reports it to everyone
 
-    # --- the output handler ---------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the output handler on the running event loop (done by the first request)."""
-        if self._handler is None or self._handler.done():
-            self._check_alive()
-            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs())
-
-    async def _handle_outputs(self) -> None:
-        try:
-            sockets, wait = self._waiter()
-            while True:
-                await wait()
-                # Also checks the engine is alive (with data parallelism: each replica).
-                for batch in self.engine.get_output_batches(0):
-                    self._process(batch)
-                if len(self.engine.output_sockets) != len(sockets):  # a replica died
-                    sockets, wait = self._waiter()
-        except EngineDeadError as e:
-            self.fail_all(e)
-        except Exception as e:  # a bug here must not leave streams hanging
-            logger.exception("the output handler failed")
-            self.fail_all(EngineDeadError(f"the front-end's output handler failed: {e!r}",
-                                          "front-end"))
-
-    def _waiter(self) -> tuple[list[zmq.Socket], Callable[[], Awaitable[object]]]:
-        """The engine's output sockets, and a wait until one is readable (or POLL_MS)."""
-        sockets = self.engine.output_sockets
-        if len(sockets) == 1:
-            socket = zmq.asyncio.Socket.shadow(sockets[0].underlying)
-            return sockets, lambda: socket.poll(POLL_MS, zmq.POLLIN)
-        poller = zmq.asyncio.Poller()
-        for socket in sockets:
-            poller.register(zmq.asyncio.Socket.shadow(socket.underlying), zmq.POLLIN)
-        return sockets, lambda: poller.poll(POLL_MS)
-
-    def _process(self, batch: OutputBatch) -> None:
-        if batch.error is not None:
-            self._fail_lost(batch)
-            return
-        stats = IterationStats(time.time(), scheduler=batch.stats, engine=batch.engine)
-        result = self.output_processor.process_outputs(batch.outputs, stats)
-        for state in result.updated:
-            self.streams[state.request_id].notify()
-        for state in result.finished:
-            del self.streams[state.request_id]
-        if result.aborts:
-            self.engine.abort_requests(result.aborts)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(stats)
-
     # --- death and shutdown ---------------------------------------------------------------
-
-    def _fail_lost(self, batch: OutputBatch) -> None:
-        """One replica died: its requests end with its error; the others go on."""
-        for state in self.output_processor.drop_requests_of(batch.lost):
-            stream = self.streams.pop(state.request_id, None)
-            if stream is not None:
-                stream.fail(batch.error)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats(),
-                                              engine=batch.engine))
 
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
-
-    def fail_all(self, error: EngineDeadError) -> None:
-        """End every pending stream with `error`; later calls raise it at once."""
-        self.dead = self.dead or error
-        self.output_processor.drop_all()
-        streams, self.streams = list(self.streams.values()), {}
-        for stream in streams:
-            stream.fail(error)
-        # The engine holds nothing any more: gauges read zero, not its last busy report.
-        for stat_logger in self.stat_loggers:
-            for rank in self.engine.ranks:
-                stat_logger.record(IterationStats(time.time(), scheduler=SchedulerStats(),
-                                                  engine=rank))
 
     def shutdown(self) -> None:
         """Fail pending streams, stop the output handler and every engine process."""

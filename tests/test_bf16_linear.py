@@ -13,11 +13,13 @@ from test_compute_dtype import MAX_NEW, assert_follows_float32, check_bf16_greed
 from test_model_runner import PROMPTS
 
 from protocol import EngineConfig
+from protocol.speculative_config import SpeculativeConfig
 from worker.device import ENV_OVERRIDE
 from worker.host import memory
 from worker.layers import bf16_linear, onednn_linear
 from worker.model_runner import ModelRunner
 from worker.models import footprint
+from worker.models.registry import load_model_config
 
 pytestmark = pytest.mark.skipif(not onednn_linear.enabled(torch.device("cpu")),
                                 reason="no oneDNN packing (torch without it, or DELTASERVE_ONEDNN=0): "
@@ -153,6 +155,62 @@ def test_a_small_host_keeps_one_copy(model_dir, monkeypatch, caplog):
     assert _runner(model_dir).model.model.layers[0].dtype == torch.float32
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A one-layer bf16 draft with the target's vocabulary."""
+    return model_dir_for(tmp_path_factory, "llama", dtype=torch.bfloat16, seed=7,
+                         num_hidden_layers=1)
+
+
+def _drafted_runner(model_dir: str, draft_dir: str | None) -> ModelRunner:
+    spec = None if draft_dir is None else SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=2, model=draft_dir)
+    return ModelRunner(EngineConfig(model=model_dir, dtype="bfloat16", num_gpu_blocks_override=8,
+                                    speculative_config=spec))
+
+
+def _copies(module: torch.nn.Module) -> int:
+    return sum(m.weight_float32.numel() for m in module.modules()
+               if getattr(m, "weight_float32", None) is not None)
+
+
+def test_estimate_counts_the_draft_models_copies(model_dir, draft_dir, monkeypatch):
+    """With a draft model the float32 route copies its linears too: the estimate counts the
+    models a worker holds (footprint.held), the target's and the draft's."""
+    monkeypatch.setenv(ENV_OVERRIDE, "1")
+    monkeypatch.setenv(bf16_linear.ENV_SWITCH, bf16_linear.FLOAT32)
+    runner = _drafted_runner(model_dir, draft_dir)
+    held = footprint.held(runner.model_config, runner.config)
+    assert [m.num_hidden_layers for m in held] == [2, 1]
+    assert _copies(runner.drafter.model) == footprint.linear_weights(held[1]) > 0
+    assert _copies(runner.model) + _copies(runner.drafter.model) == \
+        sum(map(footprint.linear_weights, held))
+    assert footprint.held(runner.model_config, EngineConfig(model=model_dir)) == held[:1]
+
+
+def test_a_host_with_room_for_the_target_alone_keeps_one_copy(model_dir, draft_dir,
+                                                               monkeypatch, caplog):
+    """A host that holds the target's copies, weights and KV cache but not the draft's too:
+    with the draft configured the probed float32 route gives way to bf16; without, it stands."""
+    _probed_float32()
+    monkeypatch.setenv(ENV_OVERRIDE, "1")
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    target, draft = (load_model_config(d) for d in (model_dir, draft_dir))
+    need = [2 * footprint.weights(m) + 4 * footprint.linear_weights(m)
+            + 8 * footprint.kv_block_bytes(m, 16, 1, 2) for m in (target, draft)]
+    monkeypatch.setenv(memory.LIMIT_ENV, str(need[0] + need[1] // 2))
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = _drafted_runner(model_dir, draft_dir)
+    assert "do not fit beside" in caplog.text
+    assert runner.drafter.model.model.layers[0].self_attn.qkv_proj.weight_float32 is None
+    assert runner.model.model.layers[0].self_attn.qkv_proj.weight_float32 is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        runner = _drafted_runner(model_dir, None)
+    assert "do not fit beside" not in caplog.text
+    assert runner.model.model.layers[0].self_attn.qkv_proj.weight_float32 is not None
+
+
 def test_budget_fits_weights_copies_and_kv_cache():
     budget = bf16_linear.CopiesBudget(copies=4 << 30, weights=2 << 30, kv_cache=1 << 30,
                                       available=7 << 30, source="test")
@@ -218,10 +276,55 @@ def test_tensor_parallel_engine_on_a_small_host(model_dir, monkeypatch, capfd):
     monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
     monkeypatch.setenv(memory.LIMIT_ENV, SMALL_HOST[memory.LIMIT_ENV])
     prompts = PROMPTS["mixed"]
-    with LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256) as llm:
+    # (a cache of its own size: the default one, a quarter of 64 KiB, would not hold 2 blocks)
+    with LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256,
+             num_gpu_blocks_override=64) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
                             use_tqdm=False)
     assert_follows_float32([o.outputs[0].token_ids for o in outs],
                            hf_greedy(model_dir, prompts, MAX_NEW))
     assert capfd.readouterr().err.count("do not fit beside") == 2  # one line per rank
+
+
+def test_a_float32_tensor_parallel_engine_probes_nothing(tmp_path, monkeypatch, capfd):
+    """No rank computes in bf16: no vote, no probe, no bf16 line."""
+    from launch import LLM
+    from protocol import SamplingParams
+    monkeypatch.delenv(bf16_linear.ENV_SWITCH, raising=False)
+    model = _bf16_model(tmp_path)
+    with LLM(model, tensor_parallel_size=2, dtype="float32", max_model_len=256,
+             num_gpu_blocks_override=64) as llm:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert "bf16 linears" not in capfd.readouterr().err
+
+
+def _bf16_model(tmp_path) -> str:
+    from model_utils import make_tiny_model
+    return make_tiny_model(str(tmp_path / "model"), "llama", dtype=torch.bfloat16)
+
+
+def _mixed_rank(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 0's CPU multiplies bf16 natively, rank 1's does not (it computes in float32):
+    both still take part in the route's vote (a rank skipping it left the other waiting)."""
+    import os
+
+    from worker.distributed.tensor_parallel import TensorParallel
+    os.environ[ENV_OVERRIDE] = ("1", "0")[rank]
+    os.environ[bf16_linear.ENV_SWITCH] = bf16_linear.FLOAT32
+    torch.set_num_threads(1)
+    tp = TensorParallel.initialize(rank, 2, init_method, torch.device("cpu"))
+    runner = ModelRunner(EngineConfig(model=os.path.join(out_dir, "model"), dtype="bfloat16",
+                                      tensor_parallel_size=2, num_gpu_blocks_override=8), tp)
+    torch.save([runner.dtype, bf16_linear.route()], os.path.join(out_dir, f"rank{rank}.pt"))
+    tp.shutdown()
+
+
+def test_ranks_of_different_cpus_vote_alike(tmp_path):
+    from test_shm_all_reduce import _run_group
+    _bf16_model(tmp_path)
+    per_rank = _run_group(tmp_path, _mixed_rank)
+    assert [dtype for dtype, _ in per_rank] == [torch.bfloat16, torch.float32]
+    assert {route for _, route in per_rank} == {bf16_linear.FLOAT32}

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from protocol import EngineConfig
 from worker.host import amx, memory
 from worker.host.cgroup import cgroup_memory_room
-from worker.host.setup import ranks_on_this_host
+from worker.host.setup import engine_core_reserve, ranks_on_this_host, set_up_host
 from worker.host.team_size import (
     LoadMeter,
     TeamSizer,
@@ -190,7 +191,8 @@ class FakeLoad(LoadMeter):
 
 
 class Host:
-    def __init__(self, others: float, step_s: dict[int, float], metered: bool = False) -> None:
+    def __init__(self, others: float, step_s: dict[int, float], metered: bool = False,
+                 reserved: float = 0.0) -> None:
         self.now, self.others, self.others_s = 0.0, others, 0.0
         # metered: a real LoadMeter over this host's clock (windows, idle spells) instead of
         # a fresh reading of `others` at every step
@@ -199,7 +201,7 @@ class Host:
                      if metered else FakeLoad(frozenset({0, 1}), others=others))
         self.step_s = step_s  # team size -> seconds per step (or a cycle of them)
         self.sizer = TeamSizer(2, self.load, trial_steps=4, backoff_s=1.0,
-                               max_backoff_s=8.0, clock=lambda: self.now)
+                               max_backoff_s=8.0, clock=lambda: self.now, reserved=reserved)
         self.sizes: list[int] = []
 
     def wait(self, seconds: float) -> None:
@@ -232,6 +234,43 @@ def test_beside_a_neighbour_one_thread_is_tried_and_kept():
     host.step_s[2] = 0.004  # the neighbour turned bursty: the pair is faster again
     host.steps(2000)  # ~8 s: the planned size is tried again, and wins
     assert host.sizer.current == 2
+
+
+def test_beside_an_async_engine_core_one_thread_is_tried():
+    """Under async scheduling the engine core takes a CPU beside every step (its CPU is
+    ours, not others'): a quiet host's pair that it makes collapse gives way to one thread;
+    where the pair stays faster the trial loses at once and backs off."""
+    host = Host(0.0, {2: 0.004, 1: 0.003}, reserved=1.0)
+    host.steps(40)
+    assert host.sizes[4:9] == [1] * 5 and host.sizer.current == 1
+    host = Host(0.0, {2: 0.005, 1: 0.009}, reserved=1.0)
+    host.steps(400)  # 2 s
+    assert host.sizer.current == 2 and host.sizes.count(1) <= 6
+
+
+def test_the_engine_core_reserve_follows_async_scheduling():
+    sync, run_async = EngineConfig(model="m"), EngineConfig(model="m", async_scheduling=True)
+    assert engine_core_reserve(sync, 1) == 0.0 and engine_core_reserve(run_async, 1) == 1.0
+    assert engine_core_reserve(run_async, 2) == 0.5  # TP=2: one core for both ranks
+    replicas = EngineConfig(model="m", async_scheduling=True, data_parallel_size=2)
+    assert engine_core_reserve(replicas, 2) == 1.0  # a core per replica
+
+
+def test_an_async_engine_sizes_its_team_with_the_reserve(monkeypatch):
+    """What a CPU worker sets up (its thread plan counted from the host, as without
+    OMP_NUM_THREADS): under async scheduling the sizer leaves the engine core its CPU."""
+    if plan_threads(None, 1, 0, env={}).num_threads < 2:
+        pytest.skip("one usable CPU: a team of one, no sizer")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    monkeypatch.setenv("DELTASERVE_KEEP_MALLOC", "0")
+    threads = torch.get_num_threads()
+    try:
+        for async_scheduling, reserved in ((False, 0.0), (True, 1.0)):
+            host = set_up_host(EngineConfig(model="m", async_scheduling=async_scheduling), 0)
+            assert host.sizer is not None and host.sizer.reserved == reserved
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_losing_trial_backs_off():

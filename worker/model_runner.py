@@ -14,9 +14,9 @@ from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
 from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.host.memory import available_memory
+from worker.host.memory import available_memory, byte_size
 from worker.input_batch import InputBatch, StepProtocolError, as_array
-from worker.kv_cache import allocate_kv_cache, determine_num_blocks
+from worker.kv_cache import KVCacheSize, allocate_kv_cache, determine_num_blocks
 from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
@@ -54,16 +54,7 @@ class ModelRunner:
         self.model_config = load_model_config(config.model)
         self.quantization = resolve_quantization(config.quantization,
                                                  self.model_config.quantization)
-        if self.quantization != "none" and self.device.type != "cpu":
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
-        # The dtype of weights, activations and KV cache (float32 on a CPU without native
-        # support for the requested half dtype, and with quantized weights); residual stream
-        # and norms are float32.
-        self.dtype = (torch.float32 if self.quantization != "none" else resolve_compute_dtype(
-            self.model_config.resolve_dtype(config.dtype), self.device))
-        if self.quantization != "none" and config.dtype not in ("auto", "float32"):
-            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
-                           "dense weights only", self.quantization, config.dtype)
+        self.dtype = self._compute_dtype()
         self.max_model_len = self._max_model_len()
         self.block_size = config.block_size
         if self.device.type == "cpu":
@@ -77,25 +68,8 @@ class ModelRunner:
             self.model.kv_cache_spec(), hybrid=not config.disable_hybrid_kv_cache_manager)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        spec = config.speculative_config
-        self.drafter: DraftModelProposer | None = None  # a draft model, with its KV cache
-        if spec is not None and spec.method == "draft_model":
-            self.drafter = DraftModelProposer(spec.model, self.model_config, self.dtype,
-                                              self.device, self.tp, self.attention,
-                                              self.max_model_len, self.sampler.generator)
-        if self.drafter is not None and (self.kv_cache_spec.groups()[0].sliding_window
-                                         or any(self.drafter.kv_cache_spec.sliding_windows)):
-            raise ValueError("a draft model needs full-attention layers in the target (its KV "
-                             "follows their blocks) and none with a sliding window itself")
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
-                                           self.block_size, self.device)
-        if self.drafter is not None:
-            self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
-        groups = self.kv_cache_spec.groups()
-        # Each group's window, in the order block ids travel (empty: one full-attention group).
-        self.sliding_windows = ([g.sliding_window for g in groups]
-                                if len(groups) > 1 or groups[0].sliding_window else [])
+        self.drafter = self._make_drafter()  # a draft model, with its KV cache
+        self._allocate_kv_cache()
         self.input_batch = self._make_input_batch()
         # LoRA adapters: wraps the model's targeted layers (nothing without --enable-lora)
         self.lora = make_lora_manager(self.model, self.model_config, config, self.input_batch)
@@ -106,12 +80,58 @@ class ModelRunner:
         self.output_rows: Callable[[SchedulerOutput, StepInputs], torch.Tensor | None] = (
             lambda so, step: None)
         if config.runner == "pooling":
-            classifier = self.model.classify if config.convert == "classify" else None
-            # (LoRA deltas are per token row: the model then returns every row)
-            selects = getattr(self.model, "selects_rows", False) and not config.enable_lora
-            self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
-                                           self.input_batch, self.tp.rank == 0, selects)
-            self.output_rows = self.output_head.rows_needed
+            self._pool_outputs()
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype of weights, activations and KV cache (float32 on a CPU without native
+        support for the requested half dtype, and with quantized weights); residual stream
+        and norms are float32."""
+        config = self.config
+        if self.quantization == "none":
+            return resolve_compute_dtype(self.model_config.resolve_dtype(config.dtype),
+                                         self.device)
+        if self.device.type != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only")
+        if config.dtype not in ("auto", "float32"):
+            logger.warning("--quantization %s computes in float32; --dtype %s applies to "
+                           "dense weights only", self.quantization, config.dtype)
+        return torch.float32
+
+    def _make_drafter(self) -> DraftModelProposer | None:
+        """The draft model where speculative decoding proposes with one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        drafter = DraftModelProposer(spec.model, self.model_config, self.dtype, self.device,
+                                     self.tp, self.attention, self.max_model_len,
+                                     self.sampler.generator)
+        if (self.kv_cache_spec.groups()[0].sliding_window
+                or any(drafter.kv_cache_spec.sliding_windows)):
+            raise ValueError("a draft model needs full-attention layers in the target (its KV "
+                             "follows their blocks) and none with a sliding window itself")
+        return drafter
+
+    def _allocate_kv_cache(self) -> None:
+        """The KV cache (the target's, and the draft's over the same blocks) and each KV
+        group's window, in the order block ids travel (empty: one full-attention group)."""
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
+                                           self.block_size, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_blocks, self.block_size, self.device)
+        groups = self.kv_cache_spec.groups()
+        self.sliding_windows = ([g.sliding_window for g in groups]
+                                if len(groups) > 1 or groups[0].sliding_window else [])
+
+    def _pool_outputs(self) -> None:
+        """A pooling model's step end: its pooler over the rows it needs."""
+        config = self.config
+        classifier = self.model.classify if config.convert == "classify" else None
+        # (LoRA deltas are per token row: the model then returns every row)
+        selects = getattr(self.model, "selects_rows", False) and not config.enable_lora
+        self.output_head = PoolingHead(Pooler(config.pooler_config.seq_pooling, classifier),
+                                       self.input_batch, self.tp.rank == 0, selects)
+        self.output_rows = self.output_head.rows_needed
 
     def _make_input_batch(self) -> InputBatch:
         """The persistent batch, with each layer's KV group and window."""
@@ -135,24 +155,34 @@ class ModelRunner:
                         or config.speculative_config is not None,
                         tensor_parallel=self.tp.world_size > 1)
         prebuild(libraries_for(use), say=logger.info if self.tp.rank == 0 else None)
-        if self.dtype == torch.bfloat16 or self.tp.world_size > 1:
+        if self._bf16_in_group():
             bf16_linear.agree(self.tp, self._copies_budget())
+
+    def _bf16_in_group(self) -> bool:
+        """Whether some rank may compute in bf16 (`agree` is a collective: every rank must
+        answer alike). One rank: its dtype. At TP > 1 the dtype asked for, the same on every
+        rank: a rank whose CPU has no native bf16 computes in float32 yet still votes."""
+        if self.tp.world_size == 1:
+            return self.dtype == torch.bfloat16
+        requested = self.model_config.resolve_dtype(self.config.dtype)
+        return self.quantization == "none" and requested == torch.bfloat16
 
     def _copies_budget(self) -> bf16_linear.CopiesBudget | None:
         """The whole model's bytes on this host should a bf16 model take float32 copies:
         weights (bf16), copies (float32), every rank's KV cache (bf16) as the engine will
-        size it (no draft model counted)."""
+        size it; a draft model's too (its linears take the same route)."""
         if self.dtype != torch.bfloat16:
             return None
-        model, ranks = self.model_config, self.tp.world_size
-        block_bytes = footprint.kv_block_bytes(model, self.block_size, ranks, 2)
+        models, ranks = footprint.held(self.model_config, self.config), self.tp.world_size
+        block_bytes = sum(footprint.kv_block_bytes(m, self.block_size, ranks, 2) for m in models)
         try:
-            blocks = self._kv_blocks(block_bytes, groups=1)
+            blocks = self._kv_blocks(block_bytes, groups=1).num_blocks
         except ValueError:  # too small a budget: the allocation says so after loading
             blocks = 0
         available, source = available_memory()
         return bf16_linear.CopiesBudget(
-            copies=4 * footprint.linear_weights(model), weights=2 * footprint.weights(model),
+            copies=4 * sum(map(footprint.linear_weights, models)),
+            weights=2 * sum(map(footprint.weights, models)),
             kv_cache=ranks * blocks * block_bytes, available=available, source=source)
 
     def _max_model_len(self) -> int:
@@ -167,9 +197,13 @@ class ModelRunner:
         block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
         if self.drafter is not None:  # its cache has the same blocks
             block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
-        return self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
+        size = self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
+        if self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens, %s per rank (%s)", size.num_blocks,
+                        self.block_size, byte_size(size.num_blocks * block_bytes), size.reason)
+        return size.num_blocks
 
-    def _kv_blocks(self, block_bytes: int, groups: int) -> int:
+    def _kv_blocks(self, block_bytes: int, groups: int) -> KVCacheSize:
         """The KV blocks this rank holds at `block_bytes` a block: the configured budget, at
         most what max_num_seqs sequences of max_model_len tokens in `groups` groups use."""
         config = self.config

@@ -1,19 +1,18 @@
-"""The engine core's side of its workers: start, greet, broadcast steps, collect rank 0's answer."""
+"""The engine core's side of its workers: broadcast steps, collect rank 0's answer, notice
+failures while idle (start-up: group_startup.py; failure reports: failure_triage.py)."""
 from __future__ import annotations
 
 import logging
-import socket as pysocket
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import urlparse
 
-import psutil
 import zmq
 
-from common.process import POLL_MS, free_port
-from common.worker_auth import SECRET_ENV, new_secret, proof_is_valid, read_secret_file
+from common.process import POLL_MS
+from common.worker_auth import new_secret, read_secret_file
+from engine_core.workers.failure_triage import FailureTriage
+from engine_core.workers.group_startup import GroupStartup
 from engine_core.workers.process_launcher import ProcessLauncher
 from engine_core.workers.worker_failure import WorkerFailure
 from engine_core.workers.worker_socket import FrameTap, Unreachable, WorkerSocket
@@ -24,7 +23,6 @@ from protocol import (
     WorkerError,
     WorkerHello,
     WorkerInit,
-    WorkerReady,
     WorkerShutdown,
 )
 from protocol.lora import LoadLoRA, UnloadLoRA
@@ -35,18 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("deltaserve")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerCapacity:
-    num_blocks: int  # the minimum over ranks
-    max_model_len: int
-    vocab_size: int
-    attention_backend: str
-    dtype: str = ""
-    quantization: str = ""
-    sliding_windows: tuple[int, ...] = ()  # per KV layer group (empty: one full group)
-
-
-class WorkerGroup:
+class WorkerGroup(GroupStartup, FailureTriage):
     """Implements `ModelExecutor` over a `WorkerSocket`.
 
     Every step message is encoded once and sent to every rank, in step order, over ordered
@@ -74,65 +61,6 @@ class WorkerGroup:
     @property
     def peers(self) -> dict[int, bytes]:
         return self.socket.peers
-
-    # --- start-up ---------------------------------------------------------------------------
-
-    def start(self) -> WorkerCapacity:
-        all_local = self.launcher.ranks_are_local(self.address)
-        env = {SECRET_ENV: self.secret, **({"GLOO_SOCKET_IFNAME": "lo"} if all_local else {})}
-        self.local = self.launcher.launch(self.address, env)
-        init = WorkerInit(self.config, self._rendezvous(all_local))
-        ready: dict[int, WorkerReady] = {}
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while len(ready) < self.world_size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(ready))
-                raise WorkerFailure(f"worker_{missing[0]}",
-                                    f"workers {missing} were not ready within "
-                                    f"{self.config.startup_timeout_s:.0f} s")
-            message, identity = self._receive(POLL_MS)
-            if isinstance(message, WorkerHello):
-                self._greet(message, identity, init)
-            elif isinstance(message, WorkerReady) and self.peers.get(message.rank) == identity:
-                ready[message.rank] = message
-            elif isinstance(message, WorkerError):
-                raise self._blame(self._failure_of(message, identity))
-        self.started = True
-        logger.info("workers ready: %s", ", ".join(
-            f"rank {r}: {m.num_blocks} blocks on {m.device} ({m.attention_backend}, {m.dtype}, "
-            f"{m.quantization}){'; ' + m.host if m.host else ''}"
-            for r, m in sorted(ready.items())))
-        return WorkerCapacity(min(m.num_blocks for m in ready.values()),
-                              min(m.max_model_len for m in ready.values()),
-                              min(m.vocab_size for m in ready.values()),
-                              ready[0].attention_backend, ready[0].dtype,
-                              ready[0].quantization, tuple(ready[0].sliding_windows))
-
-    def _rendezvous(self, all_local: bool) -> str:
-        """Where the ranks' torch.distributed group meets: a file in the private runtime
-        directory when every rank is local (nothing listens on the network), else a TCP store
-        on the host the workers reach us on."""
-        if all_local:
-            return f"file://{self.runtime_dir}/rendezvous"
-        host = urlparse(self.address).hostname or ""
-        if host in ("", "0.0.0.0", "*", "::"):
-            host = _outward_address()
-        return f"tcp://{host}:{free_port(host)}"
-
-    def _greet(self, hello: WorkerHello, identity: bytes, init: WorkerInit) -> None:
-        if not proof_is_valid(self.secret, hello.proof, hello.rank, hello.pid, identity):
-            self.socket.strangers.warn(f"ignored a hello without a valid proof (claims rank "
-                                       f"{hello.rank}, pid {hello.pid}, host "
-                                       f"{hello.hostname!r})")
-            return
-        if not 0 <= hello.rank < self.world_size or hello.rank in self.peers:
-            logger.error("refusing worker with rank %d (pid %d, %s): already present or "
-                         "outside world size %d", hello.rank, hello.pid, hello.hostname,
-                         self.world_size)
-            self._send(identity, self.socket.encoder.encode(WorkerShutdown()))
-            return
-        self.peers[hello.rank] = identity
-        self._send(identity, self.socket.encoder.encode(init))
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -204,64 +132,6 @@ class WorkerGroup:
                 logger.warning("a worker sent %s while idle; ignored", type(message).__name__)
         self.check_alive()
 
-    # --- failures ---------------------------------------------------------------------------
-
-    def check_alive(self) -> None:
-        """Raise a WorkerFailure if a local worker has exited or is stopped, with its own
-        report if one is queued."""
-        dead = self._dead_worker()
-        if dead is not None:
-            raise self._blame(dead)
-
-    def _dead_worker(self) -> WorkerFailure | None:
-        return next((f for f in (w.failure() for w in self.local.values()) if f), None)
-
-    def _failure_of(self, error: WorkerError, identity: bytes | None) -> WorkerFailure:
-        rank = self.socket.rank_of(identity)
-        when = f"at step {error.step}" if self.started else "to start"
-        return WorkerFailure(f"worker_{rank}", f"worker_{rank} failed {when}: {error.message}",
-                             True)
-
-    def _blame(self, symptom: WorkerFailure, grace_s: float = 0.3) -> WorkerFailure:
-        """A failure often surfaces first as a symptom: a socket disconnect, a process exit,
-        or a collective failing on a survivor. Blame a local process that turns out to be
-        dead or stopped, in its own words if it sent a WorkerError; else the first report;
-        else the symptom."""
-        reports = {symptom.process: symptom} if symptom.reported else {}
-        deadline = time.monotonic() + grace_s
-        while True:
-            self._collect_reports(reports, 20)
-            dead = self._dead_worker()
-            if dead is not None:
-                self._collect_reports(reports, 100)
-                return reports.get(dead.process, dead)
-            if time.monotonic() > deadline:
-                return next(iter(reports.values()), symptom)
-
-    def _collect_reports(self, reports: dict[str, WorkerFailure], timeout_ms: int) -> None:
-        """Read queued frames (waiting up to the timeout for each) into `reports` if they are
-        WorkerErrors, else keep them for `_receive`: a false alarm must lose nothing."""
-        kept = []
-        while self.socket.socket.poll(timeout_ms, zmq.POLLIN):
-            message, identity = self.socket.read()
-            if isinstance(message, WorkerError):
-                failure = self._failure_of(message, identity)
-                reports.setdefault(failure.process, failure)
-            elif message is not None:
-                kept.append((message, identity))
-        self.socket.held.extend(kept)
-
-    def _on_disconnect(self) -> None:
-        """Some peer left. Raise if it was a worker: a worker that is gone is no longer
-        routable (ROUTER_MANDATORY refuses a ping to it); anyone else is a stranger."""
-        gone = [rank for rank, identity in self.peers.items()
-                if not self.socket.reachable(identity)]
-        if gone:
-            name = f"worker_{gone[0]}"
-            raise self._blame(WorkerFailure(name, f"{name} disconnected from {self.address}"))
-        self.socket.strangers.info(f"a peer that is not a worker disconnected from "
-                                   f"{self.address}")
-
     # --- the seam ---------------------------------------------------------------------------
 
     def _send(self, identity: bytes, frame: bytes | bytearray) -> None:
@@ -312,13 +182,3 @@ def _launcher(config: EngineConfig) -> ProcessLauncher | RayLauncher:
         return RayLauncher(config.tensor_parallel_size, config.device,
                            config.startup_timeout_s)
     return ProcessLauncher(config.tensor_parallel_size, config.spawned_ranks)
-
-
-def _outward_address() -> str:
-    """This host's first non-loopback IPv4 address (what other hosts reach it by), else
-    whatever its name resolves to."""
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            if address.family == pysocket.AF_INET and not address.address.startswith("127."):
-                return address.address
-    return pysocket.gethostbyname(pysocket.gethostname())

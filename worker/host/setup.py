@@ -40,11 +40,13 @@ class HostSetup:
             before = self.sizer.current
             self.sizer.after_step(rows, seconds)
             if self.sizer.current != before:
+                core = (" and the engine core schedules beside each step"
+                        if self.sizer.reserved else "")
                 self.log.info(f"{self.sizer.current} thread"
                               f"{'s' * (self.sizer.current != 1)} of "
                               f"{self.sizer.max_threads}: faster while other processes use "
                               f"{self.sizer.load.others:.1f} of {len(self.sizer.load.cpus)} "
-                              "CPUs")
+                              f"CPUs{core}")
 
 
 def ranks_on_this_host(config: EngineConfig, rank: int) -> tuple[int, int]:
@@ -59,11 +61,24 @@ def ranks_on_this_host(config: EngineConfig, rank: int) -> tuple[int, int]:
     return len(local) * config.data_parallel_size, replica * len(local) + local.index(rank)
 
 
+def engine_core_reserve(config: EngineConfig, ranks_here: int) -> float:
+    """CPUs a rank's team leaves to its engine core: under async scheduling the core
+    schedules step n + 1 while the workers run step n, so beside every step it takes a CPU
+    (shared by the replica's ranks on this host). A spinning team that loses a CPU to it
+    stalls at each barrier: TP=1 async steps on a 2-CPU host took 2.70 ms at 2 threads and
+    2.11 at the one thread the sizer tries and keeps (sync 2.99; benchmarks/bench_engine.py,
+    README). Sync scheduling: the core waits for the step (0)."""
+    if not config.async_scheduling:
+        return 0.0
+    return 1.0 / max(1, ranks_here // config.data_parallel_size)
+
+
 def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
     """Set this process's threads (and malloc, worker/host/malloc.py); how the host was set
     up."""
     malloc.keep_freed_memory()
-    plan: ThreadPlan = plan_threads(config.num_threads, *ranks_on_this_host(config, rank))
+    ranks_here, index = ranks_on_this_host(config, rank)
+    plan: ThreadPlan = plan_threads(config.num_threads, ranks_here, index)
     torch.set_num_threads(plan.num_threads)
     if plan.bind:
         from worker.native.cpu_threads import bind_threads
@@ -71,7 +86,8 @@ def set_up_host(config: EngineConfig, rank: int) -> HostSetup:
     sizer = None
     if plan.adaptive and plan.num_threads > 1 and os.environ.get(ADAPTIVE_ENV, "1") != "0":
         sizer = TeamSizer(plan.num_threads, LoadMeter(frozenset(os.sched_getaffinity(0)),
-                                                      ours=engine_pids()))
+                                                      ours=engine_pids()),
+                          reserved=engine_core_reserve(config, ranks_here))
     adapts = ", fewer while other processes use the CPUs" if sizer else ""
     return HostSetup(f"{plan.describe()}{adapts}; {openmp.describe()}; "
                      f"{amx.describe(amx.this_process())}", sizer,

@@ -12,8 +12,10 @@ faster), so the steps decide:
 
   * `LoadMeter` reads, every `interval_s`, how much CPU the host's other processes used on
     this process's CPUs (/proc/stat less this worker, its engine core and its front-end,
-    whose detokenizing is the same engine's work): `team_size(CPUs - that)` is the
-    size worth trying, and when it differs from the current one a trial starts. An idle
+    whose detokenizing is the same engine's work): `team_size(CPUs - that - reserved)` is
+    the size worth trying (`reserved`: the CPU an engine core under async scheduling takes
+    beside every step, worker/host/setup.engine_core_reserve), and when it differs from the
+    current one a trial starts. An idle
     spell (a gap of over `idle_s` between steps) drops the window under way and starts one
     of `first_s` (a host that went quiet while the worker idled is seen within a few
     steps); until it is read, a prefill-sized step (`burst_rows`) runs at the planned size
@@ -141,6 +143,9 @@ class TeamSizer:
     backoff_s: float = 2.0
     max_backoff_s: float = 30.0
     regrow_s: float = 5.0  # below max_threads: the first try of max_threads after this
+    # CPUs this engine keeps busy beside every step (not in `load.others`): the engine core
+    # under async scheduling, which schedules the next step while this one runs
+    reserved: float = 0.0
     clock: Callable[[], float] = time.monotonic
     current: int = 0  # the team size in use (max_threads to start)
     trial: int | None = None  # the size on trial, if any
@@ -191,7 +196,7 @@ class TeamSizer:
 
     def _consider(self, now: float, others: float) -> None:
         """Start a trial of the size `others` CPUs of load leave room for, if worth it."""
-        wanted = team_size(len(self.load.cpus) - others, self.max_threads)
+        wanted = self._wanted(others)
         if wanted == self.current:
             if self.current == self.max_threads or now < self._regrow_at:
                 return
@@ -207,6 +212,10 @@ class TeamSizer:
             if len(reference) < self.trial_steps:
                 return
         self.trial, self._trial_times, self._reference = wanted, [], reference
+
+    def _wanted(self, others: float) -> int:
+        """The size the CPUs left by `others` and this engine's own reserve make room for."""
+        return team_size(len(self.load.cpus) - others - self.reserved, self.max_threads)
 
     def after_step(self, rows: int, seconds: float) -> None:
         """Record a step's time (a trial ends won or lost here)."""
@@ -283,8 +292,7 @@ class TeamSizer:
         if self.trial < self.current:
             self._shrink = None  # what won before does not hold now
         if self.trial == self.max_threads and self.current < self.max_threads \
-                and team_size(len(self.load.cpus) - self.load.others,
-                              self.max_threads) == self.current:  # a timed regrow
+                and self._wanted(self.load.others) == self.current:  # a timed regrow
             self._regrow_backoff = min(2 * self._regrow_backoff, self.max_backoff_s)
             self._regrow_at = now + self._regrow_backoff
         else:
