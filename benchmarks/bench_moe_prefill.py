@@ -5,8 +5,12 @@ runs it by default). Each part timed by bench_moe_step.py's wrappers (the Python
 the native loop does not take 2,048 rows); seconds per prefill, median and range over
 --rounds rounds after one warm-up.
 
+With --library A.so B.so (fused_moe.cpp builds, e.g. another branch's from the kernel cache)
+the rounds alternate between them, every layer's experts bound to each in turn: an
+interleaved A/B of the kernel inside the whole prefill.
+
 Run: python benchmarks/bench_moe_prefill.py [--model-dir DIR] [--dtype bfloat16]
-     [--chunk 2048 512] [--rounds 5]
+     [--chunk 2048 512] [--rounds 5] [--library A.so B.so]
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import SamplingParams
 from protocol import EngineConfig
 from worker.model_runner import ModelRunner
+from worker.native import fused_moe
+from worker.native.library import entry_point
 
 PROMPTS, PROMPT_LEN = 32, 64
 
@@ -50,32 +56,44 @@ def main() -> None:
                         help="max_num_batched_tokens (one line of figures each)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--library", nargs="+", default=[],
+                        help="fused_moe builds to alternate between (default: this tree's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
                                       max_num_seqs=PROMPTS, num_gpu_blocks_override=512,
                                       num_threads=args.threads))
     instrument(runner, layers=True)
-    scheds = {c: Scheduler(SchedulerConfig(max_num_seqs=PROMPTS, max_num_batched_tokens=c,
-                                           max_model_len=1024, enable_chunked_prefill=True),
-                           CacheConfig(16, runner.num_blocks, False)) for c in args.chunk}
+    # one scheduler (the runner checks step numbers), its token budget set before each prefill
+    config = SchedulerConfig(max_num_seqs=PROMPTS, max_num_batched_tokens=max(args.chunk),
+                             max_model_len=1024, enable_chunked_prefill=True)
+    sched = Scheduler(config, CacheConfig(16, runner.num_blocks, False))
+    experts = [layer.mlp.experts.fused_experts for layer in runner.model.model.layers
+               if getattr(layer.mlp.experts, "fused_experts", None) is not None]
+    libraries = {path: entry_point(path, "fused_moe_forward", fused_moe._FORWARD_ARGS)
+                 for path in args.library} or {"this tree": None}
     rng = random.Random(0)
-    times = {c: [] for c in args.chunk}
-    parts = {c: collections.defaultdict(list) for c in args.chunk}
+    runs = [(lib, c) for lib in libraries for c in args.chunk]
+    times = {run: [] for run in runs}
+    parts = {run: collections.defaultdict(list) for run in runs}
+    print(f"load {os.getloadavg()[0]:.1f}", flush=True)
     for r in range(args.rounds + 1):
-        for c, sched in scheds.items():  # chunk sizes interleaved
+        for lib, c in runs:  # libraries and chunk sizes interleaved
+            for fused in experts if libraries[lib] is not None else ():
+                fused._forward = libraries[lib]
+            object.__setattr__(config, "max_num_batched_tokens", c)
             SECONDS.clear()
-            seconds = prefill(runner, sched, rng, f"{r}-{c}")
+            seconds = prefill(runner, sched, rng, f"{r}-{lib}-{c}")
             if r == 0:
                 continue
-            times[c].append(seconds)
+            times[lib, c].append(seconds)
             for name, s in SECONDS.items():
-                parts[c][name].append(s)
+                parts[lib, c][name].append(s)
     print(f"prefill of {PROMPTS} x {PROMPT_LEN} tokens, {args.dtype}, {args.threads} threads, "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
-    for c in args.chunk:
-        print(f"chunk {c}: {spread(times[c])} s")
-        for name, values in sorted(parts[c].items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2]):
+    for run in runs:
+        print(f"{run[0]}, chunk {run[1]}: {spread(times[run])} s")
+        for name, values in sorted(parts[run].items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2]):
             print(f"  {name:28s} {spread([v * 1e3 for v in values])} ms")
 
 
