@@ -168,7 +168,7 @@ void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<flo
         if (!fused) {
             // up shares gate's packed x, unless gate took the panel route (packs none)
             GroupedProduct u{&l.up, e, m, inter, h, s.xs + p0 * s.hs, s.hs, nullptr,
-                             panel_route(l.gate, h), s.gu + p0 * s.gs + inter, s.gs};
+                             panel_route(l.gate, h, m), s.gu + p0 * s.gs + inter, s.gs};
             at.push_back(u.pack ? need : at.back());
             need += lay_out(u, nullptr, gp, gu);
             plan.gate_up.push_back(u);

@@ -28,15 +28,19 @@ constexpr int PANEL_NV = 4, PANEL_N = PANEL_NV * 16;  // weight rows of a strip 
 constexpr int PANEL_ROWS = 6;                         // x rows per tile: 24 accumulators
 constexpr int64_t PANEL_KC = 128;                     // K per panel: 128 x 64 floats
 constexpr int64_t PANEL_ROW_BLOCK = 512;              // x rows of a unit, at most
+// Experts of at most this many rows keep the strips driver: a panel's transposition costs
+// ~0.45 instructions an element, the FMAs m / 16, so a few rows do not repay it (decode
+// steps of 32 streams have experts of 9-20 rows).
+constexpr int64_t PANEL_MIN_ROWS = 32;
 typedef uint32_t PanelLanes __attribute__((vector_size(64)));
 #endif
 
-// Whether a product of weight set w over K = k takes the panel route.
-bool panel_route(const ExpertWeights& w, int64_t k) {
+// Whether a product of weight set w over K = k and m rows takes the panel route.
+bool panel_route(const ExpertWeights& w, int64_t k, int64_t m) {
 #if defined(__AVX512F__)
-    return w.qtype == BF16_CODE && k % 16 == 0;
+    return w.qtype == BF16_CODE && k % 16 == 0 && m > PANEL_MIN_ROWS;
 #else
-    (void)w, (void)k;
+    (void)w, (void)k, (void)m;
     return false;
 #endif
 }
@@ -60,7 +64,7 @@ int64_t lay_out(GroupedProduct& p, float* xt, int64_t& packs, int64_t& units) {
     p.xt = xt;
     p.first_pack = packs;
     p.first_unit = units;
-    p.panel = panel_route(*p.w, p.k);
+    p.panel = panel_route(*p.w, p.k, p.m);
 #if defined(__AVX512F__)
     if (p.panel) {
         const int64_t blocks = (p.m + PANEL_ROW_BLOCK - 1) / PANEL_ROW_BLOCK;
