@@ -156,6 +156,36 @@ def test_every_rows_per_expert_up_to_64(dtype, threads):
     assert torch.equal(ours, other)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+def test_bf16_prefill_products_blocks_chunks_and_edges(fused_gate_up, threads):
+    """bf16 experts of hundreds of rows (prefill; with AVX-512 the panel route): an expert of
+    600 rows (two row blocks), K of a whole and a partial 128-element chunk (hidden 176),
+    outputs of a partial 64-row strip (176; up alone: 96), row counts not a multiple of the
+    6-row tile, gate and up one matrix or two: the reference's values, and the same bits
+    whatever the thread count."""
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, tokens = 176, 96, 600
+    w13 = (torch.randn(3, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(3, hidden, inter, generator=g) * 0.1).bfloat16()
+    if fused_gate_up:
+        experts = fused_moe.bind_stacked(w13, w2, hidden)
+    else:
+        gate, up = w13[:, :inter].clone(), w13[:, inter:].clone()
+        experts = fused_moe.FusedExperts(fused_moe.ExpertMatrices(gate),
+                                         fused_moe.ExpertMatrices(up),
+                                         fused_moe.ExpertMatrices(w2), hidden, inter)
+    # every token on expert 0 (600 rows) and on expert 1 or 2 (299 and 301 rows)
+    second = 1 + (torch.arange(tokens) % 2 + (torch.arange(tokens) == 0)).clamp(max=1)
+    ids = torch.stack([torch.zeros(tokens, dtype=torch.long), second], 1).to(torch.int32)
+    weights = torch.rand(tokens, 2, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
+    ours, other = _at_both_thread_counts(experts, x, weights, ids, threads)
+    ref = fused_moe.experts_reference(x, weights, ids, experts)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2.0 ** -8 * ref.abs().max().item())
+    assert torch.equal(ours, other)
+
+
 def test_huge_pages_keep_the_weights(monkeypatch):
     """Backing expert weights with transparent huge pages (best effort) changes no value."""
     t = torch.randn(3 << 20)  # 12 MB: at least four whole 2 MB pages inside

@@ -6,7 +6,8 @@
 // 2. gate/up and SiLU: experts with few rows (decode) share one worksharing loop over units
 //    of (expert, DOT_GROUP intermediate columns), each dotting its gate and up rows with the
 //    rows' x in place (gguf_gemv.h's tiles) and activating them; an expert with more rows
-//    (prefill) gathers its x and runs gguf_drive.h's `drive<Q>` (the strips driver) by the
+//    (prefill) gathers its x and runs fused_moe_grouped.h's grouped products (gguf_drive.h's
+//    strips driver; bf16 experts of more than 32 rows with AVX-512: the panel route) by the
 //    whole team, then activates;
 // 3. down: likewise, into [rows, hidden];
 // 4. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (a
@@ -21,6 +22,11 @@
 // floats and multiply them with FMAs against x rows split alike (bf16_group_dots), in passes
 // of at most 4 x rows (BF16_PASS_ROWS); elsewhere the same values go through the widening
 // tiles. SiLU and the gating product run on vectors (silu_mul), a unit's rows at once.
+// Prefill of bf16 experts (fused_moe_grouped.h's panel route, scratch rows padded by ROW_PAD),
+// measured at 2,048 tokens x top-8 of 64 experts (hidden 1024, inter 512), 2 threads, one
+// layer, interleaved with the strips driver: 249-252 ms instead of 278-295 (103 instead of
+// 90 GMAC/s; the host's FMA peak is 174); in the model's prefill (bench_moe_prefill.py) the
+// 8 layers' kernel 1.99 s instead of 2.11.
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
@@ -131,16 +137,22 @@ bool fused_gate_up(const MoeLayer& l) {
                                                      l.inter * g.row_stride;
 }
 
+// Scratch rows are padded by ROW_PAD floats: unpadded, xs/ys/gu rows of 1024 floats lie 4 KB
+// apart, so the strips driver's transposed stores (and pack_xt's loads) touch 32 rows in one
+// L1 set (4K aliasing): with the strips driver at 2,048 tokens (64 experts, hidden 1024,
+// inter 512, bf16) 285 ms a layer instead of 295 (noisy; the panel route no longer stores
+// transposed, but pack_xt and other types still read and write such rows).
+constexpr int64_t ROW_PAD = 16;
+
 struct Scratch {
-    float* xs;   // [P, hidden]: gathered x (experts with more than DIRECT_ROWS rows)
-    float* gu;   // [P, 2 * inter]: gate | up (likewise)
-    float* act;  // [P, inter]
-    float* ys;   // [P, hidden]: down's output
+    float* xs;   // [P, hs]: gathered x (experts with more than DIRECT_ROWS rows)
+    float* gu;   // [P, gs]: gate | up (likewise)
+    float* act;  // [P, is]
+    float* ys;   // [P, hs]: down's output
+    int64_t hs, gs, is;  // row strides: hidden, 2 * inter and inter, each + ROW_PAD
     float* xb;    // [tokens, hidden]: x as split rows (bf16 gate/up, BF16_SPLIT), else null
     float* actb;  // [P, inter]: act as split rows (bf16 down, BF16_SPLIT), else null
 };
-
-constexpr int64_t BF16_CODE = 30;  // GGML's code of bfloat16 (dense_blocks.h)
 
 inline float round_bf16(float v) { return to_float(from_float<bf16>(v)); }
 
@@ -155,23 +167,24 @@ void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<flo
     std::vector<int64_t> at;  // each product's xt offset
     for (const int32_t e : plan.large) {
         const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
-        GroupedProduct g{&l.gate, e, m, fused ? 2 * inter : inter, h, s.xs + p0 * h, h,
-                         nullptr, true, s.gu + p0 * 2 * inter, 2 * inter};
+        GroupedProduct g{&l.gate, e, m, fused ? 2 * inter : inter, h, s.xs + p0 * s.hs,
+                         s.hs, nullptr, true, s.gu + p0 * s.gs, s.gs};
         at.push_back(need);
         need += lay_out(g, nullptr, gp, gu);
         plan.gate_up.push_back(g);
         if (!fused) {
-            GroupedProduct u{&l.up, e, m, inter, h, s.xs + p0 * h, h, nullptr, false,
-                             s.gu + p0 * 2 * inter + inter, 2 * inter};
-            at.push_back(at.back());
-            lay_out(u, nullptr, gp, gu);
+            // up shares gate's packed x, unless gate took the panel route (packs none)
+            GroupedProduct u{&l.up, e, m, inter, h, s.xs + p0 * s.hs, s.hs, nullptr,
+                             panel_route(l.gate, h, m), s.gu + p0 * s.gs + inter, s.gs};
+            at.push_back(u.pack ? need : at.back());
+            need += lay_out(u, nullptr, gp, gu);
             plan.gate_up.push_back(u);
         }
     }
     for (const int32_t e : plan.large) {
         const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
-        GroupedProduct d{&l.down, e, m, h, inter, s.act + p0 * inter, inter, nullptr, true,
-                         s.ys + p0 * h, h};
+        GroupedProduct d{&l.down, e, m, h, inter, s.act + p0 * s.is, s.is, nullptr,
+                         true, s.ys + p0 * s.hs, s.hs};
         at.push_back(need);
         need += lay_out(d, nullptr, dp, du);
         plan.down.push_back(d);
@@ -410,7 +423,7 @@ void small_gate_up(const Call& c) {
                           l.up.scale ? l.up.scale + e * l.up.scale_stride + n0 : nullptr,
                           DOT_GROUP, n1 - n0);
         for (int m = 0; m < rows; ++m)
-            store_act(l, n0, n1 - n0, g + m * DOT_GROUP, c.s.act + (p0 + m) * l.inter,
+            store_act(l, n0, n1 - n0, g + m * DOT_GROUP, c.s.act + (p0 + m) * c.s.is,
                       c.s.actb ? c.s.actb + (p0 + m) * l.inter : nullptr);
     }
 }
@@ -422,18 +435,18 @@ void large_gate_up(const Call& c) {
     if (rows.empty()) return;
 #pragma omp for schedule(static)
     for (size_t i = 0; i < rows.size(); ++i)
-        std::memcpy(c.s.xs + rows[i] * l.hidden, c.x + c.plan.token[rows[i]] * c.x_stride,
+        std::memcpy(c.s.xs + rows[i] * c.s.hs, c.x + c.plan.token[rows[i]] * c.x_stride,
                     l.hidden * sizeof(float));
     grouped_products(c.plan.gate_up, c.plan.gate_up_packs, c.plan.gate_up_units);
 #pragma omp for schedule(static)
     for (size_t i = 0; i < rows.size(); ++i) {
-        float* g = c.s.gu + rows[i] * 2 * l.inter;
+        float* g = c.s.gu + rows[i] * c.s.gs;
         const int64_t e = c.plan.expert[rows[i]];
         silu_mul_in_place(g, g + l.inter, l.inter,
                           l.gate.scale ? l.gate.scale + e * l.gate.scale_stride : nullptr,
                           l.up.scale ? l.up.scale + e * l.up.scale_stride : nullptr, l.inter,
                           l.inter);
-        store_act(l, 0, l.inter, g, c.s.act + rows[i] * l.inter, nullptr);
+        store_act(l, 0, l.inter, g, c.s.act + rows[i] * c.s.is, nullptr);
     }
 }
 
@@ -455,11 +468,11 @@ void down(const Call& c) {
             bf16_dots(l.down, e, n0, n1, l.inter, x, rows, y);
         } else {
             const float* x[UNIT_ROWS];
-            for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * l.inter;
+            for (int m = 0; m < rows; ++m) x[m] = c.s.act + (p0 + m) * c.s.is;
             dots(l.down, e, n0, n1, l.inter, x, rows, y);
         }
         for (int m = 0; m < rows; ++m)
-            std::memcpy(c.s.ys + (p0 + m) * l.hidden + n0, y + m * DOT_GROUP,
+            std::memcpy(c.s.ys + (p0 + m) * c.s.hs + n0, y + m * DOT_GROUP,
                         (n1 - n0) * sizeof(float));
     }
     if (!c.plan.large.empty())
@@ -475,7 +488,7 @@ void combine(const Call& c) {
         for (int64_t j = 0; j < c.topk; ++j) {
             const int64_t p = c.plan.slot[t * c.topk + j];
             const float w = c.weights[t * c.topk + j];
-            const float* y = c.s.ys + p * h;
+            const float* y = c.s.ys + p * c.s.hs;
             const float* ds = l.down.scale ? l.down.scale + c.plan.expert[p] * l.down.scale_stride
                                            : nullptr;
             const bool first = j == 0 && !c.accumulate;
@@ -523,11 +536,13 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     const int64_t h = l->hidden, inter = l->inter;
     const bool bf16_in = l->gate.qtype == BF16_CODE && l->up.qtype == BF16_CODE;
     const bool bf16_act = l->down.qtype == BF16_CODE;
-    buffer.resize(static_cast<size_t>(rows * (2 * h + 3 * inter) + (bf16_in ? tokens * h : 0)));
+    const int64_t hs = h + ROW_PAD, gs = 2 * inter + ROW_PAD, is = inter + ROW_PAD;
+    const int64_t scratch = rows * (2 * hs + gs + is);
+    buffer.resize(static_cast<size_t>(scratch + (bf16_in ? tokens * h : 0)));
     split.resize(BF16_SPLIT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
-    float* const xr = buffer.data() + rows * (2 * h + 3 * inter);  // x rounded (bf16_in)
-    const Scratch s{buffer.data(), buffer.data() + rows * h, buffer.data() + rows * (h + 2 * inter),
-                    buffer.data() + rows * (h + 3 * inter),
+    float* const xr = buffer.data() + scratch;  // x rounded (bf16_in)
+    float* const b = buffer.data();
+    const Scratch s{b, b + rows * hs, b + rows * (hs + gs), b + rows * (hs + gs + is), hs, gs, is,
                     BF16_SPLIT && bf16_in ? split.data() : nullptr,
                     BF16_SPLIT && bf16_act ? split.data() + tokens * h : nullptr};
     const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;

@@ -8,6 +8,43 @@
 // Included inside fused_moe.cpp's anonymous namespace, after gguf_drive.h and dense_blocks.h.
 #pragma once
 
+constexpr int64_t BF16_CODE = 30;  // GGML's code of bfloat16 (dense_blocks.h)
+
+#if defined(__AVX512F__)
+// bf16 experts with AVX-512 take the "panel" route instead of the strips driver: the weights,
+// not x, are laid out for the tile. A unit is (row block of up to PANEL_ROW_BLOCK x rows,
+// strip of PANEL_N weight rows); per K chunk of PANEL_KC it widens the strip's bf16 into a
+// float panel, transposed (panel[kk][j] = W[n0 + j][k0 + kk], 32 KB, stays in L1), and runs
+//     acc[r][v] (lane i: weight row n0 + 16v + i) += broadcast(x[r0 + r][k0 + kk]) * panel[kk][16v ..)
+// over the block's rows PANEL_ROWS at a time, straight from the x rows (no packing), storing
+// y rows as whole vectors (no transposed stores), added to y after the first K chunk.
+// Measured at 2,048 tokens x top-8 of 64 experts (hidden 1024, inter 512; ~256 rows an
+// expert), 2 threads: see fused_moe.cpp's header. The strips driver lost its time to 4K-
+// aliased transposed stores of 12-column pieces, the per-unit decode and register spills in
+// its 24-accumulator tile; it also pads each expert's rows to a multiple of 32.
+// Each y element is one unit's sum in k order (chunks added in order): the thread count
+// does not change bits.
+constexpr int PANEL_NV = 4, PANEL_N = PANEL_NV * 16;  // weight rows of a strip (acc lanes)
+constexpr int PANEL_ROWS = 6;                         // x rows per tile: 24 accumulators
+constexpr int64_t PANEL_KC = 128;                     // K per panel: 128 x 64 floats
+constexpr int64_t PANEL_ROW_BLOCK = 512;              // x rows of a unit, at most
+// Experts of at most this many rows keep the strips driver: a panel's transposition costs
+// ~0.45 instructions an element, the FMAs m / 16, so a few rows do not repay it (decode
+// steps of 32 streams have experts of 9-20 rows).
+constexpr int64_t PANEL_MIN_ROWS = 32;
+typedef uint32_t PanelLanes __attribute__((vector_size(64)));
+#endif
+
+// Whether a product of weight set w over K = k and m rows takes the panel route.
+bool panel_route(const ExpertWeights& w, int64_t k, int64_t m) {
+#if defined(__AVX512F__)
+    return w.qtype == BF16_CODE && k % 16 == 0 && m > PANEL_MIN_ROWS;
+#else
+    (void)w, (void)k, (void)m;
+    return false;
+#endif
+}
+
 // y[m, n] = x[m, k] · (matrix e of w)ᵀ, x rows contiguous with row stride x_stride.
 struct GroupedProduct {
     const ExpertWeights* w; int64_t e, m, n, k;
@@ -15,7 +52,8 @@ struct GroupedProduct {
     float* xt;   // this product's xᵀ tiles [tiles][k][MV]
     bool pack;   // false: xt is the previous product's (gate and up of one expert)
     float* y; int64_t y_stride;
-    // set by lay_out:
+    // set by lay_out (panel: the panel route, its units row blocks of `block` rows x strips):
+    bool panel = false;
     int nvm = 1; int64_t tiles = 0, block = 0, strips = 0;
     int64_t first_pack = 0, first_unit = 0;  // this product's first index in each loop
 };
@@ -23,14 +61,24 @@ struct GroupedProduct {
 // Lays out a product (MV, tiles, units) and its xt at `xt` (a new one or, with pack false,
 // the previous product's); returns the floats of xt it took.
 int64_t lay_out(GroupedProduct& p, float* xt, int64_t& packs, int64_t& units) {
+    p.xt = xt;
+    p.first_pack = packs;
+    p.first_unit = units;
+    p.panel = panel_route(*p.w, p.k, p.m);
+#if defined(__AVX512F__)
+    if (p.panel) {
+        const int64_t blocks = (p.m + PANEL_ROW_BLOCK - 1) / PANEL_ROW_BLOCK;
+        p.block = (p.m + blocks - 1) / blocks;
+        p.strips = (p.n + PANEL_N - 1) / PANEL_N;
+        units += blocks * p.strips;
+        return 0;
+    }
+#endif
     p.nvm = p.m <= W ? 1 : 2;
     const int64_t mv = p.nvm * W, rn = ACC / p.nvm;
     p.tiles = (p.m + mv - 1) / mv;
     p.block = std::max<int64_t>(1, X_BLOCK_BYTES / (mv * p.k * 4));
     p.strips = (p.n + rn - 1) / rn;
-    p.xt = xt;
-    p.first_pack = packs;
-    p.first_unit = units;
     packs += p.pack ? p.tiles : 0;
     units += (p.tiles + p.block - 1) / p.block * p.strips;
     return p.pack ? p.tiles * mv * p.k : 0;
@@ -45,6 +93,100 @@ const GroupedProduct& holding(const std::vector<GroupedProduct>& ps, int64_t i, 
     });
     return *(it - 1);
 }
+
+#if defined(__AVX512F__)
+// panel[kk * PANEL_N + j] = bf16 row n0 + j of w, element k0 + kk, as a float, for kk < kc
+// (a multiple of 16), j < PANEL_N; zeros for rows at or past n.
+void bf16_panel(const uint8_t* w, int64_t w_stride, int64_t n, int64_t n0, int64_t k0,
+                int64_t kc, float* panel) {
+    for (int g = 0; g < PANEL_N; g += 16)
+        for (int64_t kk = 0; kk < kc; kk += 16) {
+            Vec t[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) {
+                if (n0 + g + j >= n) {
+                    t[j] = Vec{};
+                    continue;
+                }
+                const auto* src = w + (n0 + g + j) * w_stride + (k0 + kk) * 2;
+                // the maskz form: GCC 12's unmasked one trips -Wmaybe-uninitialized
+                const __m512i wide = _mm512_maskz_cvtepu16_epi32(
+                    0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+                t[j] = reinterpret_cast<Vec>(reinterpret_cast<PanelLanes>(wide) << 16);
+            }
+            transpose(t);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) store(panel + (kk + i) * PANEL_N + g, t[i]);
+        }
+}
+
+// y[r][0, cols) (+)= Σ_{kk < kc} x[r][kk] · panel[kk][0, cols) for r < R (add: after the
+// first K chunk).
+template <int R>
+SIMD_INLINE void panel_tile(const float* const (&x)[R], const float* panel, int64_t kc,
+                            float* const (&y)[R], int cols, bool add) {
+    __m512 acc[R][PANEL_NV];
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < PANEL_NV; ++v) acc[r][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t kk = 0; kk < kc; ++kk) {
+        __m512 w[PANEL_NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < PANEL_NV; ++v) w[v] = _mm512_loadu_ps(panel + kk * PANEL_N + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m512 b = _mm512_set1_ps(x[r][kk]);
+#pragma GCC unroll 4
+            for (int v = 0; v < PANEL_NV; ++v) acc[r][v] = _mm512_fmadd_ps(b, w[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < PANEL_NV; ++v) {
+        const int lanes = std::clamp(cols - 16 * v, 0, 16);
+        const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            float* out = y[r] + 16 * v;
+            const __m512 sum = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), acc[r][v])
+                                   : acc[r][v];
+            _mm512_mask_storeu_ps(out, mask, sum);
+        }
+    }
+}
+
+// Unit v of panel product p (row block v / strips, strip v % strips); panel: PANEL_KC *
+// PANEL_N floats of the calling thread's.
+void panel_unit(const GroupedProduct& p, int64_t v, float* panel) {
+    const int64_t m0 = v / p.strips * p.block, m1 = std::min(p.m, m0 + p.block);
+    const int64_t n0 = v % p.strips * PANEL_N;
+    const int cols = static_cast<int>(std::min<int64_t>(PANEL_N, p.n - n0));
+    const auto* w = static_cast<const uint8_t*>(p.w->w) + p.e * p.w->expert_stride;
+    for (int64_t k0 = 0; k0 < p.k; k0 += PANEL_KC) {
+        const int64_t kc = std::min(PANEL_KC, p.k - k0);
+        bf16_panel(w, p.w->row_stride, p.n, n0, k0, kc, panel);
+        // the next chunk's weight lines to L2 while the tiles run: a panel reads 64 rows
+        // at once, more streams than the hardware prefetchers follow, so unprefetched its
+        // loads wait on memory (bf16_panel was ~9% of the kernel's time without this)
+        const int64_t next = std::min(PANEL_KC, p.k - k0 - kc) * 2;
+        for (int j = 0; j < cols && next > 0; ++j)
+            for (int64_t b = 0; b < next; b += 64)
+                __builtin_prefetch(w + (n0 + j) * p.w->row_stride + (k0 + kc) * 2 + b, 0, 2);
+        for (int64_t r0 = m0; r0 < m1; r0 += PANEL_ROWS)
+            with_rows<PANEL_ROWS>(static_cast<int>(std::min<int64_t>(PANEL_ROWS, m1 - r0)),
+                                  [&]<int R>() {
+                const float* x[R];
+                float* y[R];
+                for (int r = 0; r < R; ++r) {
+                    x[r] = p.x + (r0 + r) * p.x_stride + k0;
+                    y[r] = p.y + (r0 + r) * p.y_stride + n0;
+                }
+                panel_tile<R>(x, panel, kc, y, cols, k0 > 0);
+            });
+    }
+}
+#endif
 
 // Every product of `ps` (laid out, `packs` and `units` the loops' sizes), by every thread.
 void grouped_products(const std::vector<GroupedProduct>& ps, int64_t packs, int64_t units) {
@@ -63,7 +205,15 @@ void grouped_products(const std::vector<GroupedProduct>& ps, int64_t packs, int6
         const GroupedProduct& p = holding(ps, u, [](const GroupedProduct& q) {
             return q.first_unit;
         });
-        const int64_t v = u - p.first_unit, t0 = v / p.strips * p.block;
+        const int64_t v = u - p.first_unit;
+#if defined(__AVX512F__)
+        static_assert(ACC * KC >= PANEL_KC * PANEL_N, "the panel lives in the decode stage");
+        if (p.panel) {
+            panel_unit(p, v, stage);
+            continue;
+        }
+#endif
+        const int64_t t0 = v / p.strips * p.block;
         const int64_t rn = ACC / p.nvm, n0 = v % p.strips * rn;
         const Args a{static_cast<const uint8_t*>(p.w->w) + p.e * p.w->expert_stride,
                      p.w->row_stride, p.x, p.x_stride, p.y, p.y_stride, p.m, p.n, p.k, false};
