@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from launch.async_pooling import AsyncPoolingMixin
@@ -146,9 +147,16 @@ class AsyncLLM(AsyncPoolingMixin, OutputHandlerMixin):
                                      lora_request=lora_request)
         await self.check_constraint(inputs)
         stream = self.add_request(request_id, inputs, priority, output_kind)
-        try:
+        with self.aborted_if_left(request_id, stream):
             async for out in stream:
                 yield out
+
+    @contextlib.contextmanager
+    def aborted_if_left(self, request_id: str, stream: RequestStream) -> Iterator[None]:
+        """Around a caller's reading of `stream`: the request is aborted if the reading ends
+        (the caller left, or an error) before its last output."""
+        try:
+            yield
         finally:
             if not stream.finished:
                 self.abort_request(request_id)

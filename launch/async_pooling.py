@@ -15,7 +15,7 @@ from protocol import PoolingParams
 
 class AsyncPoolingMixin:
     """Needs `inputs`, `engine`, `output_processor`, `streams`, `start`, `_check_alive` and
-    `abort_request`."""
+    `aborted_if_left`."""
 
     def process_pooling_inputs(self, prompt: PromptType, params: PoolingParams | None,
                                task: str | None = None, add_special_tokens: bool = True,
@@ -50,9 +50,6 @@ class AsyncPoolingMixin:
         inputs = self.process_pooling_inputs(prompt, pooling_params, pooling_task,
                                              truncate_prompt_tokens=truncate_prompt_tokens)
         stream = self.add_pooling_request(request_id, inputs, priority)
-        try:
+        with self.aborted_if_left(request_id, stream):
             async for out in stream:
                 yield out
-        finally:
-            if not stream.finished:
-                self.abort_request(request_id)

@@ -2,7 +2,8 @@
 // row count (DIRECT_ROWS < M, x small enough to stay in L2: PANEL_X_BYTES), the bf16 linears
 // of a 32-128-row step (LM head, q/k/v, o) on a CPU whose float32 FMAs outrun its bf16
 // products (worker/layers/bf16_linear.py). Included inside gguf_matmul.cpp's anonymous
-// namespace, after gguf_drive.h (Args, thread_buffer, ACC, transpose, broadcast).
+// namespace, after gguf_drive.h (Args, thread_buffer, ACC, transpose, broadcast) and
+// gguf_gemm.h (tile_step, store_tile).
 //
 // Why not the strips driver (gguf_gemm.h): at 32 rows each stage of 12 rows x 1024 k (48 KB,
 // all of L1) is written, then read once by one xᵀ tile; its weights come from memory in a
@@ -84,22 +85,9 @@ SIMD_INLINE void panel_tile(const uint8_t* const (&rows)[RN], const uint8_t* con
         }
         const float* xs = xt + s * 2 * W * MV;
 #pragma GCC unroll 2
-        for (int p = 0; p < 2 * W; ++p) {
-            Vec xv[NVM];
-#pragma GCC unroll 4
-            for (int j = 0; j < NVM; ++j) xv[j] = in_register(load(xs + p * MV + j * W));
-#pragma GCC unroll 32
-            for (int r = 0; r < RN; ++r) {
-                const Vec a = broadcast(stage[r * 2 * W + p]);
-#pragma GCC unroll 4
-                for (int j = 0; j < NVM; ++j) acc[r][j] += a * xv[j];
-            }
-        }
+        for (int p = 0; p < 2 * W; ++p) tile_step<NVM, RN>(acc, stage + p, 2 * W, xs + p * MV);
     }
-#pragma GCC unroll 32
-    for (int r = 0; r < RN; ++r)
-#pragma GCC unroll 4
-        for (int j = 0; j < NVM; ++j) store(out + r * MV + j * W, acc[r][j]);
+    store_tile<NVM, RN>(acc, out);
 }
 
 // One panel (weight rows n0 ... n0 + RN, clipped to N) times every xᵀ tile of NVM vectors.

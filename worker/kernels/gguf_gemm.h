@@ -59,6 +59,29 @@ void pack_xt(const float* x, int64_t x_stride, int64_t m, int64_t m0, int64_t k,
         }
 }
 
+// One k of a register tile: acc[r][j] += w[r * w_stride] (broadcast) × x[j W, j W + W).
+template <int NVM, int RN>
+SIMD_INLINE void tile_step(Vec (&acc)[RN][NVM], const float* w, int w_stride, const float* x) {
+    Vec xv[NVM];
+#pragma GCC unroll 4
+    for (int j = 0; j < NVM; ++j) xv[j] = in_register(load(x + j * W));
+#pragma GCC unroll 32
+    for (int r = 0; r < RN; ++r) {
+        const Vec a = broadcast(w[r * w_stride]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NVM; ++j) acc[r][j] += a * xv[j];
+    }
+}
+
+// out[r * NVM W + j W + lane] = acc[r][j][lane]: a register tile stored row by row.
+template <int NVM, int RN>
+SIMD_INLINE void store_tile(const Vec (&acc)[RN][NVM], float* out) {
+#pragma GCC unroll 32
+    for (int r = 0; r < RN; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NVM; ++j) store(out + (r * NVM + j) * W, acc[r][j]);
+}
+
 // out[r * MV + i] = Σ_{k < kc} stage row r, element k × xt[k][i] (kc a multiple of W).
 template <int NVM, int RN>
 SIMD_INLINE void strip_tile(const float* xt, const float* stage, int64_t kc, float* out) {
@@ -68,22 +91,9 @@ SIMD_INLINE void strip_tile(const float* xt, const float* stage, int64_t kc, flo
         const float* s = stage + kv * RN * W;
         const float* xk = xt + kv * W * MV;
 #pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) {
-            Vec xv[NVM];
-#pragma GCC unroll 4
-            for (int j = 0; j < NVM; ++j) xv[j] = in_register(load(xk + i * MV + j * W));
-#pragma GCC unroll 32
-            for (int r = 0; r < RN; ++r) {
-                const Vec a = broadcast(s[r * W + i]);
-#pragma GCC unroll 4
-                for (int j = 0; j < NVM; ++j) acc[r][j] += a * xv[j];
-            }
-        }
+        for (int i = 0; i < W; ++i) tile_step<NVM, RN>(acc, s + i, W, xk + i * MV);
     }
-#pragma GCC unroll 32
-    for (int r = 0; r < RN; ++r)
-#pragma GCC unroll 4
-        for (int j = 0; j < NVM; ++j) store(out + r * MV + j * W, acc[r][j]);
+    store_tile<NVM, RN>(acc, out);
 }
 
 // y[m0 + i][n0 + r] = (add ? y + : ) out[r * MV + i] for i < rows, r < cols.
