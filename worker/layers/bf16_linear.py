@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.distributed.tensor_parallel import TensorParallel
+from worker.host.memory import byte_size
 from worker.layers import onednn_linear
 from worker.native import gguf_ops
 
@@ -94,13 +95,9 @@ class CopiesBudget:
         return self.weights + self.copies + self.kv_cache <= self.available
 
     def describe(self) -> str:
-        return (f"float32 copies of {_size(self.copies)} do not fit beside {_size(self.weights)} "
-                f"of weights and {_size(self.kv_cache)} of KV cache in {_size(self.available)} "
-                f"({self.source})")
-
-
-def _size(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+        return (f"float32 copies of {byte_size(self.copies)} do not fit beside "
+                f"{byte_size(self.weights)} of weights and {byte_size(self.kv_cache)} of KV cache "
+                f"in {byte_size(self.available)} ({self.source})")
 
 
 _settled: dict[str, str] = {}  # the DELTASERVE_BF16_LINEARS value `agree` ran under -> its route
