@@ -2,7 +2,7 @@
 // row count (DIRECT_ROWS < M, x small enough to stay in L2: PANEL_X_BYTES), the bf16 linears
 // of a 32-128-row step (LM head, q/k/v, o) on a CPU whose float32 FMAs outrun its bf16
 // products (worker/layers/bf16_linear.py). Included inside gguf_matmul.cpp's anonymous
-// namespace, after gguf_drive.h (Args, thread_buffer, ACC, transpose, broadcast) and
+// namespace, after gguf_drive.h (Args, team_packed_xt, ACC, transpose, broadcast) and
 // gguf_gemm.h (tile_step, store_tile).
 //
 // Why not the strips driver (gguf_gemm.h): at 32 rows each stage of 12 rows x 1024 k (48 KB,
@@ -115,13 +115,8 @@ void panel_unit(const Args& a, int64_t n0, const float* xt) {
 template <int NVM>
 void panel_units(const Args& a) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
-    const int64_t tiles = (a.m + MV - 1) / MV, panels = (a.n + RN - 1) / RN;
-    float* xt = nullptr;
-#pragma omp single copyprivate(xt)
-    xt = thread_buffer(0, tiles * MV * a.k);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t)
-        pack_panel_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
+    const int64_t panels = (a.n + RN - 1) / RN;
+    const float* const xt = team_packed_xt<MV>(a, pack_panel_xt<MV>);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < panels; ++u) panel_unit<NVM>(a, u * RN, xt);
 }

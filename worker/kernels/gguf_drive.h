@@ -75,6 +75,21 @@ float* thread_buffer(int slot, int64_t size) {
     return b.data();
 }
 
+// x's rows as xᵀ tiles of MV rows, `pack(x, x_stride, m, m0, k, tile)` each, the team
+// splitting the tiles: returns them, in the buffer of whichever thread takes the `single`,
+// shared with the others. Called by every thread of a parallel region (or by one outside).
+template <int MV, class Pack>
+float* team_packed_xt(const Args& a, Pack pack) {
+    const int64_t tiles = (a.m + MV - 1) / MV;
+    float* xt = nullptr;
+#pragma omp single copyprivate(xt)
+    xt = thread_buffer(0, tiles * MV * a.k);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+        pack(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
+    return xt;
+}
+
 // y columns [n0, n0 + RN) (clipped to N) × rows of xᵀ tiles [t0, t1), K chunk by K chunk.
 template <class Q, int NVM>
 void strip_unit(const Args& a, int64_t n0, int64_t t0, int64_t t1, const float* xt,
@@ -100,20 +115,14 @@ void strip_unit(const Args& a, int64_t n0, int64_t t0, int64_t t1, const float* 
 // the threads work through the same block at the same time and the last block, which may
 // be one tile where the others are seven, is shared too (contiguous halves left it to one
 // thread: 256 rows of K = 576 ran at 0.6x the speed of 64 rows).
-// Called by every thread of a parallel region (or by one thread outside any); xᵀ lives in
-// the buffer of whichever thread takes the `single`, shared with the others.
+// Called by every thread of a parallel region (or by one thread outside any).
 template <class Q, int NVM>
 void strip_units(const Args& a) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
     const int64_t tiles = (a.m + MV - 1) / MV, strips = (a.n + RN - 1) / RN;
     const int64_t block = std::max<int64_t>(1, X_BLOCK_BYTES / (MV * a.k * 4));
     const int64_t units = (tiles + block - 1) / block * strips;
-    float* xt = nullptr;
-#pragma omp single copyprivate(xt)
-    xt = thread_buffer(0, tiles * MV * a.k);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t)
-        pack_xt<MV>(a.x, a.x_stride, a.m, t * MV, a.k, xt + t * MV * a.k);
+    const float* const xt = team_packed_xt<MV>(a, pack_xt<MV>);
     float* const stage = thread_buffer(1, RN * std::min(KC, a.k));
 #pragma omp for schedule(static, 1)
     for (int64_t u = 0; u < units; ++u) {
