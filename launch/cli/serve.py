@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from launch.cli.engine_args import add_engine_args, engine_kwargs
 from launch.entrypoints.openai.chat_answer import ChatParsers
@@ -23,6 +24,12 @@ from launch.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT
 from launch.entrypoints.openai.serving_lora import add_lora_args, parse_lora_modules
 from launch.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from launch.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from launch.async_llm import AsyncLLM
+    from launch.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("deltaserve")
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -161,60 +168,22 @@ def _check_port(host: str, port: int) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from launch.async_llm import AsyncLLM
-    from launch.entrypoints.openai.api_server import build_app
-    from launch.entrypoints.openai.responses_store import ResponseStore
     from launch.metrics.prometheus import PrometheusStatLogger
-    from launch.processing.chat_template import ChatTemplate
     _check_port(args.host, args.port)
     names = args.served_model_name or [args.model]
-    name = names[0]
-    api_key = api_key_of(args)
-    limits = http_limits(args)
-    parsers = chat_parsers(args)
-    lora_modules = parse_lora_modules(args.lora_modules)
-    runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
-    if (lora_modules or runtime_lora) and not args.enable_lora:
-        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
+    options = _app_options(args)
     previous = {sig: signal.signal(sig, _exit_zero) for sig in EXIT_SIGNALS}
     engine = None
     try:
-        metrics = PrometheusStatLogger(name)
+        metrics = PrometheusStatLogger(names[0])
         engine = AsyncLLM(args.model, stat_loggers=[metrics], **engine_kwargs(args))
         metrics.log_cache_config(engine.config, engine.engine.readies)
         metrics.log_lora_config(engine.config)
-        app = build_app(engine, names, api_key=api_key, metrics=metrics, limits=limits,
-                        chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
-                        chat_parsers=parsers,
-                        responses_store=ResponseStore(args.responses_store_max_responses,
-                                                      args.responses_store_max_bytes),
-                        lora_modules=lora_modules, allow_runtime_lora_updating=runtime_lora)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                access_log=False, timeout_graceful_shutdown=5,
-                                http=bounded_h11_protocol(limits),
-                                h11_max_incomplete_event_size=limits.max_incomplete_event_size,
-                                limit_concurrency=limits.limit_concurrency,
-                                timeout_keep_alive=limits.timeout_keep_alive_s)
-        loop_of: dict[str, asyncio.AbstractEventLoop] = {}
-        shutting_down = EngineDeadError("the server is shutting down", "front-end")
-
-        def on_exit() -> None:
-            loop = loop_of.get("loop")
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(engine.fail_all, shutting_down)
-        server = _graceful_server(config, on_exit)
-
-        async def run() -> None:
-            loop_of["loop"] = asyncio.get_running_loop()
-            await server.serve()
-        logger.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
-        uvicorn_loop(run)
-        if not server.started:
+        app = _app(engine, args, names, metrics, options)
+        logger.info("serving %s as %r on http://%s:%d", args.model, names[0], args.host,
+                    args.port)
+        if not _run_server(engine, app, args, options["limits"]):
             print(f"deltaserve: error: the server did not start on {args.host}:{args.port}",
                   file=sys.stderr)
             return 1
@@ -228,6 +197,60 @@ def serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """build_app's keyword arguments that come from the flags alone (checked before the slow
+    engine start): API key, HTTP limits, chat parsers, LoRA modules."""
+    options = dict(api_key=api_key_of(args), limits=http_limits(args),
+                   chat_parsers=chat_parsers(args))
+    lora_modules = parse_lora_modules(args.lora_modules)
+    runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    if (lora_modules or runtime_lora) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template: no such file {args.chat_template!r}")
+    return options | dict(lora_modules=lora_modules, allow_runtime_lora_updating=runtime_lora)
+
+
+def _app(engine: AsyncLLM, args: argparse.Namespace, names: list[str],
+         metrics: PrometheusStatLogger, options: dict[str, Any]) -> FastAPI:
+    from launch.entrypoints.openai.api_server import build_app
+    from launch.entrypoints.openai.responses_store import ResponseStore
+    from launch.processing.chat_template import ChatTemplate
+    return build_app(engine, names, metrics=metrics,
+                     chat_template=ChatTemplate.load(engine.config.model, args.chat_template),
+                     responses_store=ResponseStore(args.responses_store_max_responses,
+                                                   args.responses_store_max_bytes),
+                     **options)
+
+
+def _run_server(engine: AsyncLLM, app: FastAPI, args: argparse.Namespace,
+                limits: HttpLimits) -> bool:
+    """Serve `app` until a signal; False if uvicorn did not start. A signal ends the
+    engine's in-flight streams at once (their requests fail "shutting down")."""
+    import uvicorn
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=5,
+                            http=bounded_h11_protocol(limits),
+                            h11_max_incomplete_event_size=limits.max_incomplete_event_size,
+                            limit_concurrency=limits.limit_concurrency,
+                            timeout_keep_alive=limits.timeout_keep_alive_s)
+    loop_of: dict[str, asyncio.AbstractEventLoop] = {}
+    shutting_down = EngineDeadError("the server is shutting down", "front-end")
+
+    def on_exit() -> None:
+        loop = loop_of.get("loop")
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(engine.fail_all, shutting_down)
+    server = _graceful_server(config, on_exit)
+
+    async def run() -> None:
+        loop_of["loop"] = asyncio.get_running_loop()
+        await server.serve()
+    uvicorn_loop(run)
+    return server.started
 
 
 def uvicorn_loop(main) -> None:
