@@ -134,8 +134,17 @@ class KVCacheManager:
             return None
         if blocks is None:
             self.num_cached_block[request_id] = len(hits[0])
-        # Every group's hits leave the free list before any new block is taken from it (a new
-        # block for one group could otherwise evict another group's hit).
+        new_ids = self._take_blocks(request_id, hits, num_new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(end, request.num_tokens))
+        return new_ids
+
+    def _take_blocks(self, request_id: str, hits: tuple[list[KVCacheBlock], ...],
+                     num_new_blocks: int) -> list[int]:
+        """Append each group's hits, then `num_new_blocks` new blocks per group, to the
+        request's block lists; the new blocks' ids (group-major). Every group's hits leave the
+        free list before any new block is taken from it (a new block for one group could
+        otherwise evict another group's hit)."""
         for group, group_hits in zip(self.groups, hits):
             group_blocks = group.req_to_blocks.setdefault(request_id, [])
             if group_hits:
@@ -148,8 +157,6 @@ class KVCacheManager:
                 new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
                 group_blocks.extend(new_blocks)
                 new_ids += [block.block_id for block in new_blocks]
-        if self.enable_caching:
-            self._cache_full_blocks(request, min(end, request.num_tokens))
         return new_ids
 
     def _blocks_needed(self, request: Request, num_new_blocks: int,
