@@ -114,8 +114,14 @@ def run(args: argparse.Namespace, quantization: str, adapters: list[LoRARequest]
         for llm in (base, lora, python_loop):
             if llm is not None:
                 llm.shutdown()
+    _print_results(args, quantization, len(adapters), shapes, list(cases), results)
+
+
+def _print_results(args: argparse.Namespace, quantization: str, num_adapters: int,
+                   shapes: dict, cases: list[str],
+                   results: dict[tuple[str, str], list[float]]) -> None:
     print(f"\n{args.model} -q {quantization}: ms per decode step, median (min..max) of "
-          f"{args.rounds} rounds; {len(adapters)} adapters of rank {args.rank} on every "
+          f"{args.rounds} rounds; {num_adapters} adapters of rank {args.rank} on every "
           "projection")
     for shape, (prompts, out) in shapes.items():
         print(f"  {shape} ({len(prompts)} x ({args.input} in, {out} out)):")
