@@ -21,6 +21,7 @@ from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
 from worker.models import footprint
+from worker.models.config import ModelConfig
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.native.library import KernelUse
@@ -52,6 +53,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)
+        self.draft_config = self._draft_config()
         self.quantization = resolve_quantization(config.quantization,
                                                  self.model_config.quantization)
         self.dtype = self._compute_dtype()
@@ -97,13 +99,21 @@ class ModelRunner:
                            "dense weights only", self.quantization, config.dtype)
         return torch.float32
 
-    def _make_drafter(self) -> DraftModelProposer | None:
-        """The draft model where speculative decoding proposes with one."""
+    def _draft_config(self) -> ModelConfig | None:
+        """The draft model's config where speculative decoding proposes with one (read once:
+        the memory estimate counts it before the drafter loads it)."""
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        drafter = DraftModelProposer(spec.model, self.model_config, self.dtype, self.device,
-                                     self.tp, self.attention, self.max_model_len,
+        return load_model_config(spec.model)
+
+    def _make_drafter(self) -> DraftModelProposer | None:
+        """The draft model where speculative decoding proposes with one."""
+        if self.draft_config is None:
+            return None
+        drafter = DraftModelProposer(self.config.speculative_config.model, self.draft_config,
+                                     self.model_config, self.dtype, self.device, self.tp,
+                                     self.attention, self.max_model_len,
                                      self.sampler.generator)
         if (self.kv_cache_spec.groups()[0].sliding_window
                 or any(drafter.kv_cache_spec.sliding_windows)):
@@ -173,7 +183,8 @@ class ModelRunner:
         size it; a draft model's too (its linears take the same route)."""
         if self.dtype != torch.bfloat16:
             return None
-        models, ranks = footprint.held(self.model_config, self.config), self.tp.world_size
+        models = [m for m in (self.model_config, self.draft_config) if m is not None]
+        ranks = self.tp.world_size
         block_bytes = sum(footprint.kv_block_bytes(m, self.block_size, ranks, 2) for m in models)
         try:
             blocks = self._kv_blocks(block_bytes, groups=1).num_blocks

@@ -1,21 +1,11 @@
 """A model's size from its config, before it loads (to plan memory): its weights, the share
 of them in linear layers, and its KV cache per block. Counts follow the config's shapes for
-the whole model (every rank's share); norms and biases are left out. `held` names the models
-a worker loads: the target, and a draft model where speculative decoding proposes with one."""
+the whole model (every rank's share); norms and biases are left out. A worker counts every
+model it loads: the target, and a draft model where speculative decoding proposes with one
+(ModelRunner.draft_config)."""
 from __future__ import annotations
 
-from protocol.engine_config import EngineConfig
 from worker.models.config import ModelConfig
-from worker.models.registry import load_model_config
-
-
-def held(target: ModelConfig, config: EngineConfig) -> list[ModelConfig]:
-    """The models a worker of `config` holds: the target, and its draft model (loaded in the
-    target's dtype at the target's ranks, its KV cache over the target's block ids)."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return [target]
-    return [target, load_model_config(spec.model)]
 
 
 def linear_weights(config: ModelConfig) -> int:

@@ -15,7 +15,6 @@ from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
-from worker.models.registry import load_model_config
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
 from worker.step_inputs import StepInputs, attention_inputs
 
@@ -40,10 +39,11 @@ class DraftModelProposer:
     at their temperature and keep it as q for the verification in the next step.
     """
 
-    def __init__(self, draft_dir: str, target: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel, attention: AttentionBackend,
-                 max_model_len: int, generator: torch.Generator) -> None:
-        self.model_config = load_model_config(draft_dir)
+    def __init__(self, draft_dir: str, draft: ModelConfig, target: ModelConfig,
+                 dtype: torch.dtype, device: torch.device, tp: TensorParallel,
+                 attention: AttentionBackend, max_model_len: int,
+                 generator: torch.Generator) -> None:
+        self.model_config = draft  # draft_dir's config
         if self.model_config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {draft_dir!r} has a vocabulary of "
                              f"{self.model_config.vocab_size} tokens, the target "
