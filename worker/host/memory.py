@@ -1,12 +1,16 @@
 """The memory this host can still give a worker: what the kernel reports available, capped
-by a cgroup memory limit on the process's path and by `DELTASERVE_MEMORY_LIMIT`."""
+by a cgroup memory limit on the process's path and by `DELTASERVE_MEMORY_LIMIT`. (`byte_size`,
+which formats such figures, lives in common/byte_size.py.)"""
 from __future__ import annotations
 
 import os
 
 import psutil
 
+from common.byte_size import byte_size
 from worker.host.cgroup import cgroup_memory_room
+
+__all__ = ["LIMIT_ENV", "available_memory", "byte_size"]
 
 LIMIT_ENV = "DELTASERVE_MEMORY_LIMIT"  # bytes: the most this host is taken to have available
 
@@ -23,11 +27,3 @@ def available_memory() -> tuple[int, str]:
             raise ValueError(f"{LIMIT_ENV} must be a number of bytes, got {cap!r}")
         figures.append((int(cap), LIMIT_ENV))
     return min(figures)
-
-
-def byte_size(size: int) -> str:
-    """`size` bytes for a log line: GiB, MiB or KiB."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= 1 << shift:
-            return f"{size / (1 << shift):.{2 if shift == 30 else 1}f} {unit}"
-    return f"{size} B"
