@@ -110,13 +110,14 @@ class EngineCoreProc:
                                ready.attention_backend, ready.dtype, ready.quantization,
                                list(ready.sliding_windows),
                                engine.scheduler.max_kv_tokens if ready.sliding_windows else 0))
-        logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens",
-                    ready.max_model_len, ready.num_blocks, c.block_size)
+        logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens%s",
+                    ready.max_model_len, ready.num_blocks, c.block_size,
+                    ready.kv_size(c.tensor_parallel_size))
         if ready.sliding_windows:
+            blocks = engine.scheduler.kv_cache_manager.blocks_for_sequence(ready.max_model_len)
             logger.info("KV cache groups (window, 0: full): %s; one %d-token sequence holds "
-                        "%s blocks", list(ready.sliding_windows), ready.max_model_len,
-                        engine.scheduler.kv_cache_manager.blocks_for_sequence(
-                            ready.max_model_len))
+                        "%s blocks%s", list(ready.sliding_windows), ready.max_model_len,
+                        blocks, ready.group_sizes(blocks))
         logger.info("model_config_info: model=%s quantization=%s dtype=%s "
                     "tensor_parallel_size=%d attention_backend=%s", c.model,
                     ready.quantization, ready.dtype, c.tensor_parallel_size,

@@ -59,6 +59,9 @@ class WorkerReady(WireStruct, tag=41):
     # order block ids travel; empty: one full-attention group.
     sliding_windows: list[int] = []
     host: str = ""  # a CPU rank's threads and why, its OpenMP waits, AMX (for the ready line)
+    # This rank's KV cache bytes per block id (keys and values of the layers a block holds:
+    # one layer group's, and a draft model's; 0: not said)
+    block_bytes: int = 0
 
 
 class WorkerError(WireStruct, tag=42):

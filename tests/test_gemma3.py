@@ -6,6 +6,7 @@ speculation, record and replay."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -195,11 +196,16 @@ def _engine(path: str, tp: int = 1, **args) -> LLM:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_engine_matches_hf_past_the_window(tiny, tp, tmp_path):
+def test_engine_matches_hf_past_the_window(tiny, tp, tmp_path, capfd):
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     journal = str(tmp_path / "run.journal")
     with _engine(tiny, tp, record_path=journal if tp == 1 else None) as llm:
         assert llm.engine.ready.sliding_windows == [0, 8, 8]
+        err = capfd.readouterr().err  # the engine core's lines: bytes, and per group
+        assert re.search(rf"36 KV blocks of 8 tokens, \S+ \w?i?B \(\S+ \w?i?B a block"
+                         rf"{' over 2 ranks' if tp == 2 else ''}\)\n", err)
+        assert re.search(r"sequence holds \[\d+, \d+, \d+\] blocks "
+                         r"\((\S+ \w?i?B(, )?){3}\)\n", err)
         outs = llm.generate(TEXTS, params, use_tqdm=False)
         again = llm.generate(TEXTS[:3], params, use_tqdm=False)  # prefix hits
         stats = llm.engine.stats

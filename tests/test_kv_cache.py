@@ -11,6 +11,8 @@ import torch
 from model_utils import make_tiny_model
 from test_host import _write
 
+from common.byte_size import byte_size
+from engine_core.workers.group_startup import WorkerCapacity
 from launch import LLM, SamplingParams
 from launch.errors import EngineDeadError
 from worker.host import memory
@@ -80,7 +82,23 @@ def test_engine_sizes_its_cache_within_the_memory_limit(tiny, monkeypatch, capfd
     assert len(out[0].outputs[0].token_ids) == 4
     err = capfd.readouterr().err
     assert f"KV cache: 40 blocks of {BLOCK_SIZE} tokens" in err
+    block = _block_bytes(tiny)
+    assert (f"40 KV blocks of {BLOCK_SIZE} tokens, {byte_size(40 * block)} "
+            f"({byte_size(block)} a block)\n") in err  # the engine core's ready line
     assert f"({memory.LIMIT_ENV})" in err.split("KV cache: 40 blocks", 1)[1].splitlines()[0]
+
+
+def test_the_ready_lines_give_the_cache_in_bytes():
+    """The engine core's lines: the whole cache and one block over every rank, and per KV
+    layer group the bytes of the blocks one sequence holds (every group's block the same)."""
+    ready = WorkerCapacity(num_blocks=1000, max_model_len=4096, vocab_size=256,
+                           attention_backend="cpu", sliding_windows=(0, 512),
+                           block_bytes=256 << 10)
+    assert ready.kv_size(2) == ", 250.0 MiB (256.0 KiB a block over 2 ranks)"
+    assert ready.kv_size(1) == ", 250.0 MiB (256.0 KiB a block)"
+    assert ready.group_sizes([256, 33]) == " (64.0 MiB, 8.2 MiB)"
+    unsaid = WorkerCapacity(1000, 4096, 256, "cpu")  # a worker that did not say
+    assert unsaid.kv_size(1) == "" and unsaid.group_sizes([256]) == ""
 
 
 @pytest.mark.slow

@@ -27,6 +27,8 @@ from protocol import (
     WorkerReady,
     WorkerShutdown,
 )
+from worker.models import footprint
+from worker.models.registry import load_model_config
 
 pytestmark = pytest.mark.slow  # real engine processes
 
@@ -70,6 +72,8 @@ def worker(tmp_path):
                                       num_gpu_blocks_override=8)))
     ready = core.receive()
     assert isinstance(ready, WorkerReady) and ready.num_blocks == 8 and ready.vocab_size == 256
+    # a block's keys and values in every layer (one layer group), float32
+    assert ready.block_bytes == footprint.kv_block_bytes(load_model_config(model), 16, 1, 4)
     yield core, proc
     proc.kill()
     core.close()

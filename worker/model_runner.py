@@ -124,6 +124,9 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """The KV cache (the target's, and the draft's over the same blocks) and each KV
         group's window, in the order block ids travel (empty: one full-attention group)."""
+        self.kv_block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
+        if self.drafter is not None:  # its cache has the same blocks
+            self.kv_block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, self.num_blocks,
                                            self.block_size, self.device)
@@ -205,9 +208,7 @@ class ModelRunner:
         return wanted
 
     def _num_blocks(self) -> int:
-        block_bytes = self.kv_cache_spec.bytes_per_block(self.block_size)
-        if self.drafter is not None:  # its cache has the same blocks
-            block_bytes += self.drafter.kv_cache_spec.bytes_per_block(self.block_size)
+        block_bytes = self.kv_block_bytes
         size = self._kv_blocks(block_bytes, groups=len(self.kv_cache_spec.groups()))
         if self.tp.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens, %s per rank (%s)", size.num_blocks,

@@ -101,7 +101,8 @@ class WorkerProc:
                                runner.model_config.vocab_size,
                                str(runner.dtype).removeprefix("torch."),
                                runner.weights_summary, runner.sliding_windows,
-                               self.host.description if self.host else ""))
+                               self.host.description if self.host else "",
+                               runner.kv_block_bytes))
         return runner
 
     def _serve(self, runner: ModelRunner) -> int:

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 import psutil
 
+from common.byte_size import byte_size
 from common.process import POLL_MS, free_port
 from common.worker_auth import SECRET_ENV, proof_is_valid
 from engine_core.workers.worker_failure import WorkerFailure
@@ -28,6 +29,23 @@ class WorkerCapacity:
     dtype: str = ""
     quantization: str = ""
     sliding_windows: tuple[int, ...] = ()  # per KV layer group (empty: one full group)
+    block_bytes: int = 0  # one block id's KV bytes over every rank (0: a rank did not say)
+
+    def kv_size(self, world_size: int) -> str:
+        """The ready line's KV cache bytes: every block, and one block over every rank (""
+        where the workers did not say a block's bytes)."""
+        if not self.block_bytes:
+            return ""
+        ranks = f" over {world_size} ranks" if world_size > 1 else ""
+        return (f", {byte_size(self.num_blocks * self.block_bytes)} "
+                f"({byte_size(self.block_bytes)} a block{ranks})")
+
+    def group_sizes(self, blocks: list[int]) -> str:
+        """The bytes of `blocks[g]` blocks of each KV layer group g (a block id holds one
+        group's layers, every group's the same bytes); "" where the workers did not say."""
+        if not self.block_bytes:
+            return ""
+        return f" ({', '.join(byte_size(n * self.block_bytes) for n in blocks)})"
 
 
 class GroupStartup:
@@ -64,7 +82,8 @@ class GroupStartup:
                               min(m.max_model_len for m in ready.values()),
                               min(m.vocab_size for m in ready.values()),
                               ready[0].attention_backend, ready[0].dtype,
-                              ready[0].quantization, tuple(ready[0].sliding_windows))
+                              ready[0].quantization, tuple(ready[0].sliding_windows),
+                              _block_bytes(list(ready.values())))
 
     def _rendezvous(self, all_local: bool) -> str:
         """Where the ranks' torch.distributed group meets: a file in the private runtime
@@ -91,6 +110,11 @@ class GroupStartup:
             return
         self.peers[hello.rank] = identity
         self._send(identity, self.socket.encoder.encode(init))
+
+
+def _block_bytes(ready: list[WorkerReady]) -> int:
+    """A block id's KV bytes summed over the ranks (each holds its heads' share), or 0."""
+    return 0 if any(m.block_bytes == 0 for m in ready) else sum(m.block_bytes for m in ready)
 
 
 def _outward_address() -> str:
