@@ -122,24 +122,69 @@ def test_a_moe_model_and_ranks_get_their_libraries():
     assert every - dense == {"fused-moe"}
 
 
-def test_a_rejected_source_is_reported_once_and_not_recompiled(tmp_path, monkeypatch):
-    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A library of one source file in tmp_path (its own kernel directory and cache; this
+    process's failure records set aside): (the source's path, the library)."""
     monkeypatch.setattr(library, "KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(library, "_FAILURES", {})
     monkeypatch.setenv("DELTASERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    broken = NativeLibrary("broken-test", "broken.cpp")
     try:
-        lines: list[str] = []
-        report = prebuild.prebuild([broken], say=lines.append)
-        assert list(report.failed) == ["broken-test"] and not report.compiled
-        assert "compiling" in lines[0] and "failed: broken-test" in lines[1]
-        calls = []
-        monkeypatch.setattr(build, "_compile", lambda *a: calls.append(a))
-        with pytest.raises(build.NativeBuildError):
-            broken.path()
-        assert calls == []
+        yield tmp_path / "scratch.cpp", NativeLibrary("scratch-test", "scratch.cpp",
+                                                      (f"-I{tmp_path}",))
     finally:
-        LIBRARIES.pop("broken-test", None)
-        library._FAILURES.pop(("broken-test", "native"), None)
+        LIBRARIES.pop("scratch-test", None)
+
+
+SCRATCH = 'extern "C" __attribute__((visibility("default"))) int answer() { return 42; }\n'
+# Another process building the scratch library (as a tensor-parallel peer or `deltaserve
+# kernels build` would): argv[1] is its kernel directory.
+BUILD_SCRATCH = ("import sys; from pathlib import Path; from worker.native import library\n"
+                 "library.KERNEL_DIR = Path(sys.argv[1])\n"
+                 "print(library.NativeLibrary('scratch-test', 'scratch.cpp',\n"
+                 "                            ('-I' + sys.argv[1],)).path())\n")
+
+
+def test_a_rejected_source_is_reported_once_and_not_recompiled(scratch, monkeypatch):
+    source, broken = scratch
+    source.write_text("this is not C++\n")
+    lines: list[str] = []
+    report = prebuild.prebuild([broken], say=lines.append)
+    assert list(report.failed) == ["scratch-test"] and not report.compiled
+    assert "compiling" in lines[0] and "failed: scratch-test" in lines[1]
+    calls = []
+    monkeypatch.setattr(build, "_compile", lambda *a: calls.append(a))
+    with pytest.raises(build.NativeBuildError):
+        broken.path()
+    assert calls == []
+
+
+def test_a_failure_is_forgotten_once_the_source_changes(scratch):
+    """A source fixed after a failed build (a kernel edited while a process runs) builds:
+    the failure belongs to the inputs that failed, not to the library's name."""
+    source, lib = scratch
+    source.write_text("this is not C++\n")
+    with pytest.raises(build.NativeBuildError):
+        lib.path()
+    source.write_text(SCRATCH)
+    assert lib.path().exists() and lib.is_built()
+
+
+def test_a_failure_does_not_hide_another_process_build(scratch, monkeypatch, tmp_path):
+    """A build that failed here for a passing reason (its compiler killed) while another
+    process then built the same inputs: this process loads that library rather than repeat
+    its failure (and its loaders' "unavailable, using torch" warning)."""
+    source, lib = scratch
+    source.write_text(SCRATCH)
+
+    def killed(*args) -> None:
+        raise build.NativeBuildError("g++ was killed")
+    monkeypatch.setattr(build, "_compile", killed)
+    with pytest.raises(build.NativeBuildError, match="killed"):
+        lib.path()
+    built = subprocess.run([sys.executable, "-c", BUILD_SCRATCH, str(tmp_path)], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert lib.path() == Path(built) and lib.path().exists()  # nothing compiled here
 
 
 def test_concurrent_builds_compile_once(tmp_path, monkeypatch):

@@ -67,15 +67,18 @@ class NativeLibrary:
             raise ValueError(f"native library {self.tag!r} is declared twice, differently")
 
     def path(self, march: str = "native") -> Path:
-        """The built library (compiles unless the cache holds this source/flags/CPU). A
-        source the compiler rejected is not compiled again by this process."""
-        failure = _FAILURES.get((self.tag, march))
-        if failure is not None:
+        """The built library (compiles unless the cache holds this source/flags/CPU). Inputs
+        the compiler rejected are not compiled again by this process; changed inputs are, and
+        a library another process has since built from the same inputs is loaded."""
+        args = self._build_args(march)
+        target = build.library_target(*args, cache_dir(), self.tag)
+        failure = _FAILURES.get(target)
+        if failure is not None and not target.exists():
             raise failure
         try:
-            return build.cached_library(*self._build_args(march), cache_dir(), self.tag)
+            return build.cached_library(*args, cache_dir(), self.tag)
         except build.NativeBuildError as e:
-            _FAILURES[self.tag, march] = e
+            _FAILURES[target] = e
             raise
 
     def is_built(self, march: str = "native") -> bool:
@@ -87,7 +90,8 @@ class NativeLibrary:
 
 
 LIBRARIES: dict[str, NativeLibrary] = {}
-_FAILURES: dict[tuple[str, str], build.NativeBuildError] = {}
+# What this process's builds raised, by the library file their inputs name (build.py's key)
+_FAILURES: dict[Path, build.NativeBuildError] = {}
 
 
 def march_flags(march: str = "native") -> list[str]:
