@@ -136,7 +136,7 @@ class NativeLayerLoop:
         if (len(eps) != 1 or len(scales) != 1 or None in layers or shm is False
                 or len(cache_dtypes) != 1
                 or not cache_dtypes <= {torch.float32, torch.bfloat16, torch.float16}
-                or any(x.moe for x in layers) and not native.kernels.moe):
+                or any(x.moe for x in layers) and not cpu_decoder.with_moe(native)):
             return None
         return cls(native, model, layers, shm, min(limits))
 

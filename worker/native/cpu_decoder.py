@@ -4,9 +4,11 @@ attention and fused-MoE libraries (and, at tensor parallel > 1, the shm all-redu
 ctypes Structures here mirror the C++ structs field by field. `route()` is its MoE routing
 entry point, which the Python layer loop routes with too (worker/layers/fused_moe/router.py).
 
-`load()` is the bound library, or None where one of the four libraries cannot be built here
-(callers keep the Python layer loop). `lora_delta()` is its entry point applying one linear's
-LoRA deltas (worker/lora/native_delta.py), or None where this library cannot be built.
+`load()` is the bound library, or None where it or one of the cpu-ops, GGUF and attention
+libraries cannot be built here (callers keep the Python layer loop); `with_moe()` adds the
+fused-MoE kernel for a model with experts. `lora_delta()` is its entry point applying one
+linear's LoRA deltas (worker/lora/native_delta.py), or None where this library cannot be
+built.
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ class NativeDecoder:
     """The entry point and the kernels' addresses."""
 
     forward: ctypes._CFuncPtr
-    kernels: Kernels  # moe: fused_moe_forward, or None where that library is not built
+    kernels: Kernels  # moe: fused_moe_forward once `with_moe` found it built, else None
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -120,11 +122,19 @@ def load() -> NativeDecoder | None:
         return None
     forward = entry_point(library, "cpu_decoder_forward",
                           [PTR, PTR, PTR, I32, PTR, I32])
-    moe = fused_moe.native()
     kernels = Kernels(_address(gguf._matmul), _address(ops._norm), _address(ops._silu),
                       _address(ops._rope), _address(attention), _address(ops._gelu),
-                      _address(ops._head_norm), None if moe is None else _address(moe))
+                      _address(ops._head_norm), None)
     return NativeDecoder(forward, kernels)
+
+
+def with_moe(native: NativeDecoder) -> bool:
+    """Whether `native` calls the fused-MoE kernel, its address filled in on first asking (a
+    model with experts asks: a dense one never loads, nor compiles, that library)."""
+    if not native.kernels.moe:
+        moe = fused_moe.native()
+        native.kernels.moe = None if moe is None else _address(moe)
+    return bool(native.kernels.moe)
 
 
 # logits, tokens, num_experts, topk, renormalize, ids, weights
