@@ -21,7 +21,6 @@ from worker.layers import bf16_linear
 from worker.layers.quantization.registry import resolve_quantization
 from worker.lora.manager import make_lora_manager
 from worker.models import footprint
-from worker.models.config import ModelConfig
 from worker.models.loader import load_model, weights_summary
 from worker.models.registry import load_model_config
 from worker.native.library import KernelUse
@@ -31,7 +30,7 @@ from worker.pooling.pooling_head import PoolingHead
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
-from worker.spec_decode.draft_model import DraftModelProposer
+from worker.spec_decode.draft_model import DraftModelProposer, draft_model_config
 from worker.step_inputs import StepInputs, prepare_step
 
 logger = logging.getLogger("deltaserve")
@@ -53,7 +52,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)
-        self.draft_config = self._draft_config()
+        self.draft_config = draft_model_config(config)  # read once: the estimate counts it
         self.quantization = resolve_quantization(config.quantization,
                                                  self.model_config.quantization)
         self.dtype = self._compute_dtype()
@@ -98,14 +97,6 @@ class ModelRunner:
             logger.warning("--quantization %s computes in float32; --dtype %s applies to "
                            "dense weights only", self.quantization, config.dtype)
         return torch.float32
-
-    def _draft_config(self) -> ModelConfig | None:
-        """The draft model's config where speculative decoding proposes with one (read once:
-        the memory estimate counts it before the drafter loads it)."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
-        return load_model_config(spec.model)
 
     def _make_drafter(self) -> DraftModelProposer | None:
         """The draft model where speculative decoding proposes with one."""

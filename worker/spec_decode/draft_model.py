@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from protocol.draft_tokens import DraftTokens
+from protocol.engine_config import EngineConfig
 from protocol.int_column import IntColumn
 from protocol.sampling_params import GREEDY_EPS
 from worker.attention.backend import AttentionBackend
@@ -15,6 +16,7 @@ from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import allocate_kv_cache
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
+from worker.models.registry import load_model_config
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
 from worker.step_inputs import StepInputs, attention_inputs
 
@@ -23,6 +25,14 @@ from worker.step_inputs import StepInputs, attention_inputs
 class _Proposal:
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), vocab] what random sampling drew them from
+
+
+def draft_model_config(config: EngineConfig) -> ModelConfig | None:
+    """The draft model's config where speculative decoding proposes with one, else None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return load_model_config(spec.model)
 
 
 class DraftModelProposer:
