@@ -12,10 +12,11 @@ frames cross), and what the engine core and front-end take from the worker's cor
 one. Both sides run the same prompts: bench_moe_step.py's shorter, shifted prompts make a
 cheaper step (shorter contexts), so its figure is not this one's reference.
 
-Each --engine-args (LLM options as JSON; repeat it to compare, e.g. '{}' and
-'{"async_scheduling": true}') is one engine, all started before the rounds and run in turn.
+Each --engine-args (LLM options as JSON, after any NAME=VALUE environment of its processes;
+repeat it to compare, e.g. '{}', '{"async_scheduling": true}' and 'GOMP_SPINCOUNT=20000 {}')
+is one engine, all started before the rounds and run in turn.
 
-Run: python benchmarks/bench_moe_gap.py [--rounds 3] [--engine-args JSON ...]
+Run: python benchmarks/bench_moe_gap.py [--rounds 3] [--engine-args '[NAME=VALUE ...] JSON' ...]
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-len", type=int, default=BATCH[2])
     parser.add_argument("--engine-args", action="append", default=None,
-                        help="LLM options of one engine, as JSON (repeatable; default: '{}')")
+                        help="one engine: [NAME=VALUE ...] LLM options as JSON (repeatable; "
+                             "default: '{}')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model_dir)
@@ -104,9 +106,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {f"engine {o}": [] for o in options}
     runs["in-process"] = []
     with ExitStack() as stack:
-        steps = {f"engine {o}": _engine(stack.enter_context(
-            LLM(model, dtype=args.dtype, num_threads=args.threads, **{**ENGINE, **json.loads(o)})),
-            prompts, args.out_len) for o in options}
+        steps = {f"engine {o}": _engine(stack.enter_context(_start(model, args, o)), prompts,
+                                        args.out_len) for o in options}
         local = InProcess(args)
         steps["in-process"] = lambda: local.steps(prompts, args.out_len)
         for run in steps.values():
@@ -126,6 +127,24 @@ def main() -> None:
         gaps = [e - p for e, p in zip(values, inproc)]
         print(f"  {name:28s} {spread(values)}; - in-process {spread(gaps)} (pairs "
               + ", ".join(f"{g / p:+.1%}" for g, p in zip(gaps, inproc)) + ")")
+
+
+def _start(model: str, args, spec: str) -> LLM:
+    """An engine of `spec` ('[NAME=VALUE ...] JSON'): its processes start with that
+    environment (e.g. libgomp's, read when they load torch)."""
+    head, brace, rest = spec.partition("{")
+    env = dict(word.split("=", 1) for word in head.split())
+    options = json.loads(brace + rest or "{}")
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return LLM(model, dtype=args.dtype, num_threads=args.threads, **{**ENGINE, **options})
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _engine(llm: LLM, prompts: list[list[int]], out_len: int):
