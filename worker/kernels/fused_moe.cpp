@@ -564,9 +564,11 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     const bool bf16_act = l->down.qtype == BF16_CODE;
     const int64_t hs = h + ROW_PAD, gs = 2 * inter + ROW_PAD, is = inter + ROW_PAD;
     const int64_t scratch = rows * (2 * hs + gs + is);
-    buffer.resize(static_cast<size_t>(scratch + (bf16_in ? tokens * h : 0)));
+    buffer.resize(static_cast<size_t>(scratch + (bf16_in ? tokens * hs : 0)));
     split.resize(BF16_SPLIT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
-    float* const xr = buffer.data() + scratch;  // x rounded (bf16_in)
+    // x rounded (bf16_in), rows padded like the scratch's: the paired panel products read
+    // 6 token rows at a time in place, which unpadded share one L1 set at each k
+    float* const xr = buffer.data() + scratch;
     float* const b = buffer.data();
     // the split rows only for small (decode) experts' units
     const bool split_rows = BF16_SPLIT && !plan.small.empty();
@@ -578,14 +580,14 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
 #pragma omp parallel for num_threads(num_threads) if (parallel && tokens >= 64)
         for (int64_t t = 0; t < tokens; ++t) {
             const float* xrow = x + t * x_stride;
-            float* rt = xr + t * h;
+            float* rt = xr + t * hs;
             int64_t i = 0;
             for (; i + W <= h; i += W) store(rt + i, round_bf16(load(xrow + i)));
             for (; i < h; ++i) rt[i] = round_bf16(xrow[i]);
             for (i = 0; s.xb && i < h; ++i) s.xb[t * h + split_index(i)] = rt[i];
         }
         x = xr;
-        x_stride = h;
+        x_stride = hs;
     }
     thread_local std::vector<float> xt;
     plan_large(*l, s, x, x_stride, plan, xt);
