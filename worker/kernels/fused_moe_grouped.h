@@ -16,8 +16,10 @@ constexpr int64_t BF16_CODE = 30;  // GGML's code of bfloat16 (dense_blocks.h)
 // strip of PANEL_N weight rows); per K chunk of PANEL_KC it widens the strip's bf16 into a
 // float panel, transposed (panel[kk][j] = W[n0 + j][k0 + kk], 32 KB, stays in L1), and runs
 //     acc[r][v] (lane i: weight row n0 + 16v + i) += broadcast(x[r0 + r][k0 + kk]) * panel[kk][16v ..)
-// over the block's rows PANEL_ROWS at a time, straight from the x rows (no packing), storing
-// y rows as whole vectors (no transposed stores), added to y after the first K chunk.
+// over the block's rows PANEL_ROWS at a time, straight from the x rows (no packing). The sums
+// of the chunks before the last go to a thread's buffer of the block's rows (L2-resident:
+// kept in y, the 68 MB scratch, the tiles' stores missed and took ~12 % of the kernel's
+// samples); the last chunk's are stored to y rows as whole vectors (no transposed stores).
 // Measured at 2,048 tokens x top-8 of 64 experts (hidden 1024, inter 512; ~256 rows an
 // expert), 2 threads: see fused_moe.cpp's header. The strips driver lost its time to 4K-
 // aliased transposed stores of 12-column pieces, the per-unit decode and register spills in
@@ -49,10 +51,10 @@ bool panel_route(const ExpertWeights& w, int64_t k, int64_t m) {
 // with x_rows, row i at x + x_rows[i] * x_stride: the panel route reads the token rows in
 // place, without a gather).
 // Paired (panel route, `up` set): gate and up of one expert in one product, n = inter. A unit's
-// strip holds PANEL_N / 2 gate rows and the matching up rows; y holds the partial sums (gate
-// at column c, up at inter + c, as unpaired), and after the last K chunk the unit's epilogue
-// writes act[i][c] = silu(gate) * up (rounded to bf16 with round_act) while they are in
-// registers: no pass over y afterwards.
+// strip holds PANEL_N / 2 gate rows and the matching up rows (accumulator columns 0-1 gate
+// columns n0..., 2-3 up columns n0...), and after the last K chunk the unit's epilogue writes
+// act[i][c] = silu(gate) * up (rounded to bf16 with round_act) while they are in registers:
+// y is not used, and there is no pass over it afterwards.
 struct GroupedProduct {
     const ExpertWeights* w; int64_t e, m, n, k;
     const float* x; int64_t x_stride;
@@ -163,8 +165,10 @@ struct PanelColumns {
 };
 
 // Unit v of panel product p (row block v / strips, strip v % strips); panel: PANEL_KC *
-// PANEL_N floats of the calling thread's.
-void panel_unit(const GroupedProduct& p, int64_t v, float* panel) {
+// PANEL_N floats and part: PANEL_ROW_BLOCK * PANEL_N floats, the calling thread's. The sums
+// over K chunks before the last are kept in part (L2-resident, reused by every unit of the
+// thread), not in y: only the last chunk writes y (or act), once.
+void panel_unit(const GroupedProduct& p, int64_t v, float* panel, float* part) {
     const int64_t m0 = v / p.strips * p.block, m1 = std::min(p.m, m0 + p.block);
     const int width = p.up ? PANEL_N / 2 : PANEL_N;
     const int64_t n0 = v % p.strips * width;
@@ -200,23 +204,38 @@ void panel_unit(const GroupedProduct& p, int64_t v, float* panel) {
             with_rows<PANEL_ROWS>(static_cast<int>(std::min<int64_t>(PANEL_ROWS, m1 - r0)),
                                   [&]<int R>() {
                 const float* x[R];
-                float* y[R];
+                float* y[R];  // the rows' final destinations (act when paired)
+                float* sums[R];
                 for (int r = 0; r < R; ++r) {
                     const int64_t row = p.x_rows ? p.x_rows[r0 + r] : r0 + r;
                     x[r] = p.x + row * p.x_stride + k0;
-                    y[r] = p.y + (r0 + r) * p.y_stride;
+                    y[r] = p.up ? p.act + (r0 + r) * p.act_stride : p.y + (r0 + r) * p.y_stride;
+                    sums[r] = part + (r0 + r - m0) * PANEL_N;
                 }
+                // the next tile's destination lines, to be written (they are cold: first
+                // touched in this layer), while this tile runs
+                for (int r = 0; last && r < PANEL_ROWS && r0 + PANEL_ROWS + r < m1; ++r)
+                    for (int c = 0; c < PANEL_NV; ++c) {
+                        const float* next_y = p.up ? p.act + (r0 + PANEL_ROWS + r) * p.act_stride + n0 + 16 * c
+                                                   : p.y + (r0 + PANEL_ROWS + r) * p.y_stride + out.offset[c];
+                        __builtin_prefetch(next_y, 1, 3);
+                        __builtin_prefetch(next_y + 15, 1, 3);
+                    }
                 panel_tile<R>(x, panel, kc, [&](__m512 (&acc)[R][PANEL_NV]) {
                     if (add) {
 #pragma GCC unroll 4
                         for (int c = 0; c < PANEL_NV; ++c)
 #pragma GCC unroll 8
                             for (int r = 0; r < R; ++r)
-                                acc[r][c] = _mm512_add_ps(
-                                    _mm512_maskz_loadu_ps(out.mask[c], y[r] + out.offset[c]),
-                                    acc[r][c]);
+                                acc[r][c] = _mm512_add_ps(_mm512_loadu_ps(sums[r] + 16 * c),
+                                                          acc[r][c]);
                     }
-                    if (p.up && last) {  // paired: act = silu(gate) * up
+                    if (!last) {
+#pragma GCC unroll 4
+                        for (int c = 0; c < PANEL_NV; ++c)
+#pragma GCC unroll 8
+                            for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r] + 16 * c, acc[r][c]);
+                    } else if (p.up) {  // paired: act = silu(gate) * up
 #pragma GCC unroll 2
                         for (int c = 0; c < PANEL_NV / 2; ++c)
 #pragma GCC unroll 8
@@ -224,17 +243,17 @@ void panel_unit(const GroupedProduct& p, int64_t v, float* panel) {
                                 Vec a = silu_mul(reinterpret_cast<Vec>(acc[r][c]),
                                                  reinterpret_cast<Vec>(acc[r][c + 2]));
                                 if (p.round_act) a = round_bf16(a);
-                                _mm512_mask_storeu_ps(
-                                    p.act + (r0 + r) * p.act_stride + n0 + 16 * c,
-                                    out.mask[c], reinterpret_cast<__m512>(a));
+                                _mm512_mask_storeu_ps(y[r] + n0 + 16 * c, out.mask[c],
+                                                      reinterpret_cast<__m512>(a));
                             }
-                        return;
-                    }
+                    } else {
 #pragma GCC unroll 4
-                    for (int c = 0; c < PANEL_NV; ++c)
+                        for (int c = 0; c < PANEL_NV; ++c)
 #pragma GCC unroll 8
-                        for (int r = 0; r < R; ++r)
-                            _mm512_mask_storeu_ps(y[r] + out.offset[c], out.mask[c], acc[r][c]);
+                            for (int r = 0; r < R; ++r)
+                                _mm512_mask_storeu_ps(y[r] + out.offset[c], out.mask[c],
+                                                      acc[r][c]);
+                    }
                 });
             });
     }
@@ -255,6 +274,11 @@ void grouped_products(const std::vector<GroupedProduct>& ps, int64_t packs, int6
     }
     }
     float* const stage = thread_buffer(1, ACC * KC);
+#if defined(__AVX512F__)
+    thread_local std::vector<float> sums;
+    sums.resize(PANEL_ROW_BLOCK * PANEL_N);
+    float* const part = sums.data();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
         const GroupedProduct& p = holding(ps, u, [](const GroupedProduct& q) {
@@ -264,7 +288,7 @@ void grouped_products(const std::vector<GroupedProduct>& ps, int64_t packs, int6
 #if defined(__AVX512F__)
         static_assert(ACC * KC >= PANEL_KC * PANEL_N, "the panel lives in the decode stage");
         if (p.panel) {
-            panel_unit(p, v, stage);
+            panel_unit(p, v, stage, part);
             continue;
         }
 #endif
