@@ -7,8 +7,9 @@
 //    of (expert, DOT_GROUP intermediate columns), each dotting its gate and up rows with the
 //    rows' x in place (gguf_gemv.h's tiles) and activating them; an expert with more rows
 //    (prefill) gathers its x and runs fused_moe_grouped.h's grouped products (gguf_drive.h's
-//    strips driver; bf16 experts of more than 32 rows with AVX-512: the panel route) by the
-//    whole team, then activates;
+//    strips driver) by the whole team, then activates; bf16 experts of more than 32 rows
+//    with AVX-512 take the panel route instead, gate and up paired in one product that reads
+//    the token rows in place and activates in its epilogue (no gather, no SiLU pass);
 // 3. down: likewise, into [rows, hidden];
 // 4. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (a
 //    token's result does not depend on the rest of the batch), into out or added to it.
@@ -24,9 +25,11 @@
 // tiles. SiLU and the gating product run on vectors (silu_mul), a unit's rows at once.
 // Prefill of bf16 experts (fused_moe_grouped.h's panel route, scratch rows padded by ROW_PAD),
 // measured at 2,048 tokens x top-8 of 64 experts (hidden 1024, inter 512), 2 threads, one
-// layer, interleaved with the strips driver: 249-252 ms instead of 278-295 (103 instead of
-// 90 GMAC/s; the host's FMA peak is 174); in the model's prefill (bench_moe_prefill.py) the
-// 8 layers' kernel 1.99 s instead of 2.11.
+// layer, interleaved: the strips driver 278-295 ms; the first panel route 249-252 (103
+// GMAC/s); with gate/up paired (SiLU in the epilogue, x read in place) and chunk sums kept
+// in a per-thread buffer instead of y: 199 (197-207) ms, 129 GMAC/s (the host's FMA peak is
+// 174). In the model's prefill (bench_moe_prefill.py) the 8 layers' kernel takes 1.69 s
+// (was 2.08 on the first panel route, 2.11 on the strips driver).
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
