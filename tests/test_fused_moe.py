@@ -158,14 +158,16 @@ def test_every_rows_per_expert_up_to_64(dtype, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused_gate_up", [True, False])
-def test_bf16_prefill_products_blocks_chunks_and_edges(fused_gate_up, threads):
-    """bf16 experts of hundreds of rows (prefill; with AVX-512 the panel route): an expert of
-    600 rows (two row blocks), K of a whole and a partial 128-element chunk (hidden 176),
-    outputs of a partial 64-row strip (176; up alone: 96), row counts not a multiple of the
-    6-row tile, gate and up one matrix or two: the reference's values, and the same bits
-    whatever the thread count."""
+@pytest.mark.parametrize("inter", [96, 40])
+def test_bf16_prefill_products_blocks_chunks_and_edges(fused_gate_up, threads, inter):
+    """bf16 experts of hundreds of rows (prefill; with AVX-512 the panel route, gate and up
+    paired): an expert of 600 rows (two row blocks), K of a whole and a partial 128-element
+    chunk (hidden 176: the first chunk's sums kept aside, added in the last), outputs of a
+    partial 64-row strip (down's 176) and of whole and partial paired strips of 32 gate and
+    32 up rows (inter 96, 40), row counts not a multiple of the 6-row tile, gate and up one
+    matrix or two: the reference's values, and the same bits whatever the thread count."""
     g = torch.Generator().manual_seed(5)
-    hidden, inter, tokens = 176, 96, 600
+    hidden, tokens = 176, 600
     w13 = (torch.randn(3, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
     w2 = (torch.randn(3, hidden, inter, generator=g) * 0.1).bfloat16()
     if fused_gate_up:

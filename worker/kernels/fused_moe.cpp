@@ -7,8 +7,9 @@
 //    of (expert, DOT_GROUP intermediate columns), each dotting its gate and up rows with the
 //    rows' x in place (gguf_gemv.h's tiles) and activating them; an expert with more rows
 //    (prefill) gathers its x and runs fused_moe_grouped.h's grouped products (gguf_drive.h's
-//    strips driver; bf16 experts of more than 32 rows with AVX-512: the panel route) by the
-//    whole team, then activates;
+//    strips driver) by the whole team, then activates; bf16 experts of more than 32 rows
+//    with AVX-512 take the panel route instead, gate and up paired in one product that reads
+//    the token rows in place and activates in its epilogue (no gather, no SiLU pass);
 // 3. down: likewise, into [rows, hidden];
 // 4. combine: each token's rows weighted and summed in choice order j = 0..topk-1 (a
 //    token's result does not depend on the rest of the batch), into out or added to it.
@@ -24,9 +25,11 @@
 // tiles. SiLU and the gating product run on vectors (silu_mul), a unit's rows at once.
 // Prefill of bf16 experts (fused_moe_grouped.h's panel route, scratch rows padded by ROW_PAD),
 // measured at 2,048 tokens x top-8 of 64 experts (hidden 1024, inter 512), 2 threads, one
-// layer, interleaved with the strips driver: 249-252 ms instead of 278-295 (103 instead of
-// 90 GMAC/s; the host's FMA peak is 174); in the model's prefill (bench_moe_prefill.py) the
-// 8 layers' kernel 1.99 s instead of 2.11.
+// layer, interleaved: the strips driver 278-295 ms; the first panel route 249-252 (103
+// GMAC/s); with gate/up paired (SiLU in the epilogue, x read in place) and chunk sums kept
+// in a per-thread buffer instead of y: 199 (197-207) ms, 129 GMAC/s (the host's FMA peak is
+// 174). In the model's prefill (bench_moe_prefill.py) the 8 layers' kernel takes 1.69 s
+// (was 2.08 on the first panel route, 2.11 on the strips driver).
 //
 // Layouts: x [tokens, hidden] float32 (row stride x_stride); ids int32 and weights float32
 // [tokens, topk], contiguous; out [tokens, hidden] float32 (row stride out_stride). A weight
@@ -70,6 +73,22 @@ struct MoeLayer {
 
 namespace {
 
+// silu(g) * u lane-wise: cpu_exp.h's silu on vectors (the exponent rounded to nearest by
+// cpu_paged_attention_simd.h's exp, so a lane may differ from the scalar form in its last
+// bits; every activation of the kernel goes through this one).
+SIMD_INLINE Vec silu_mul(Vec g, Vec u) {
+    const Vec e = exp_nonpositive(g < 0.0f ? g : -g);
+    return g * ((g < 0.0f ? e : splat(1.0f)) / (e + 1.0f)) * u;
+}
+
+// v rounded to bf16 (nearest even; NaN stays NaN), as floats.
+SIMD_INLINE Vec round_bf16(Vec v) {
+    const VecU32 u = reinterpret_cast<VecU32>(v);
+    const VecU32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    const VecU32 nan = ((u >> 16) | 0x40u) << 16;
+    return reinterpret_cast<Vec>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+}
+
 #include "fused_moe_grouped.h"
 
 // The step's (token, choice) rows grouped by expert; rows of expert e are [start[e],
@@ -81,7 +100,9 @@ struct Plan {
     std::vector<int64_t> slot;    // [tokens * topk]: where choice (t, j) went
     std::vector<int32_t> small;   // active experts of at most small_rows(l) rows, ascending
     std::vector<int32_t> large;   // active experts of more rows, ascending
-    std::vector<int64_t> large_rows;  // the sorted rows of the large experts
+    // the large experts' rows whose gate/up products read gathered x and whose activation
+    // is a pass of its own (experts without a paired panel product), set by plan_large
+    std::vector<int64_t> gathered_rows;
     // the large experts' grouped products (fused_moe_grouped.h) and their loops' sizes
     std::vector<GroupedProduct> gate_up, down;
     int64_t gate_up_packs = 0, gate_up_units = 0, down_packs = 0, down_units = 0;
@@ -108,12 +129,9 @@ int group_by_expert(const int32_t* ids, int64_t rows, int64_t topk, int64_t num_
     }
     plan.small.clear();
     plan.large.clear();
-    plan.large_rows.clear();
     for (int32_t e = 0; e < num_experts; ++e) {
         const int64_t n = plan.start[e + 1] - plan.start[e];
         if (n > 0) (n <= small_rows ? plan.small : plan.large).push_back(e);
-        for (int64_t p = plan.start[e]; n > small_rows && p < plan.start[e + 1]; ++p)
-            plan.large_rows.push_back(p);
     }
     return 0;
 }
@@ -157,16 +175,31 @@ struct Scratch {
 inline float round_bf16(float v) { return to_float(from_float<bf16>(v)); }
 
 // The large experts' grouped products over the scratch rows (gate and up one product when
-// they are one matrix, else two sharing the packed x), their packed x in `xt`.
-void plan_large(const MoeLayer& l, const Scratch& s, Plan& plan, std::vector<float>& xt) {
+// they are one matrix, else two sharing the packed x), their packed x in `xt`. Experts whose
+// gate and up both take the panel route are one paired product instead, reading x (rows of
+// x_stride, indexed by token) in place and writing act itself.
+void plan_large(const MoeLayer& l, const Scratch& s, const float* x, int64_t x_stride,
+                Plan& plan, std::vector<float>& xt) {
     const int64_t h = l.hidden, inter = l.inter;
     const bool fused = fused_gate_up(l);
     plan.gate_up.clear();
     plan.down.clear();
+    plan.gathered_rows.clear();
     int64_t gp = 0, gu = 0, dp = 0, du = 0, need = 0;
     std::vector<int64_t> at;  // each product's xt offset
     for (const int32_t e : plan.large) {
         const int64_t p0 = plan.start[e], m = plan.start[e + 1] - p0;
+        if (panel_route(l.gate, h, m) && panel_route(l.up, h, m) && !l.gate.scale &&
+            !l.up.scale) {
+            GroupedProduct g{&l.gate, e, m, inter, h, x, x_stride, nullptr, false,
+                             s.gu + p0 * s.gs, s.gs, plan.token.data() + p0, &l.up,
+                             s.act + p0 * s.is, s.is, l.down.qtype == BF16_CODE};
+            at.push_back(need);
+            need += lay_out(g, nullptr, gp, gu);
+            plan.gate_up.push_back(g);
+            continue;
+        }
+        for (int64_t p = p0; p < p0 + m; ++p) plan.gathered_rows.push_back(p);
         GroupedProduct g{&l.gate, e, m, fused ? 2 * inter : inter, h, s.xs + p0 * s.hs,
                          s.hs, nullptr, true, s.gu + p0 * s.gs, s.gs};
         at.push_back(need);
@@ -352,14 +385,6 @@ void bf16_dots(const ExpertWeights& w, int64_t e, int64_t n0, int64_t n1, int64_
 #endif
 }
 
-// silu(g) * u lane-wise: cpu_exp.h's silu on vectors (the exponent rounded to nearest by
-// cpu_paged_attention_simd.h's exp, so a lane may differ from the scalar form in its last
-// bits; every activation of the kernel goes through this one).
-SIMD_INLINE Vec silu_mul(Vec g, Vec u) {
-    const Vec e = exp_nonpositive(g < 0.0f ? g : -g);
-    return g * ((g < 0.0f ? e : splat(1.0f)) / (e + 1.0f)) * u;
-}
-
 // g[i] = silu(g[i] * gs[c]) * (u[i] * us[c]) for i < n, in place (whole vectors and a
 // zero-padded tail), with c = i % period: rows of `period` columns of which the first
 // `valid` count (gs, us: their scales, or null: 1; the other columns' results are not used).
@@ -428,16 +453,20 @@ void small_gate_up(const Call& c) {
     }
 }
 
-// The large experts (prefill): rows gathered, gate/up as one grouped product, activated.
+// The large experts (prefill): gate/up as one grouped product, activated. Rows of experts
+// without a paired panel product are gathered before and activated after it.
 void large_gate_up(const Call& c) {
     const MoeLayer& l = c.l;
-    const std::vector<int64_t>& rows = c.plan.large_rows;
-    if (rows.empty()) return;
+    const std::vector<int64_t>& rows = c.plan.gathered_rows;
+    if (c.plan.large.empty()) return;
+    if (!rows.empty()) {
 #pragma omp for schedule(static)
-    for (size_t i = 0; i < rows.size(); ++i)
-        std::memcpy(c.s.xs + rows[i] * c.s.hs, c.x + c.plan.token[rows[i]] * c.x_stride,
-                    l.hidden * sizeof(float));
+        for (size_t i = 0; i < rows.size(); ++i)
+            std::memcpy(c.s.xs + rows[i] * c.s.hs, c.x + c.plan.token[rows[i]] * c.x_stride,
+                        l.hidden * sizeof(float));
+    }
     grouped_products(c.plan.gate_up, c.plan.gate_up_packs, c.plan.gate_up_units);
+    if (rows.empty()) return;
 #pragma omp for schedule(static)
     for (size_t i = 0; i < rows.size(); ++i) {
         float* g = c.s.gu + rows[i] * c.s.gs;
@@ -538,26 +567,33 @@ int fused_moe_forward(const MoeLayer* l, const float* x, int64_t x_stride, int64
     const bool bf16_act = l->down.qtype == BF16_CODE;
     const int64_t hs = h + ROW_PAD, gs = 2 * inter + ROW_PAD, is = inter + ROW_PAD;
     const int64_t scratch = rows * (2 * hs + gs + is);
-    buffer.resize(static_cast<size_t>(scratch + (bf16_in ? tokens * h : 0)));
+    buffer.resize(static_cast<size_t>(scratch + (bf16_in ? tokens * hs : 0)));
     split.resize(BF16_SPLIT ? static_cast<size_t>(tokens * h + rows * inter) : 0);
-    float* const xr = buffer.data() + scratch;  // x rounded (bf16_in)
+    // x rounded (bf16_in), rows padded like the scratch's: the paired panel products read
+    // 6 token rows at a time in place, which unpadded share one L1 set at each k
+    float* const xr = buffer.data() + scratch;
     float* const b = buffer.data();
+    // the split rows only for small (decode) experts' units
+    const bool split_rows = BF16_SPLIT && !plan.small.empty();
     const Scratch s{b, b + rows * hs, b + rows * (hs + gs), b + rows * (hs + gs + is), hs, gs, is,
-                    BF16_SPLIT && bf16_in ? split.data() : nullptr,
-                    BF16_SPLIT && bf16_act ? split.data() + tokens * h : nullptr};
+                    split_rows && bf16_in ? split.data() : nullptr,
+                    split_rows && bf16_act ? split.data() + tokens * h : nullptr};
     const bool parallel = num_threads > 1 && rows * 3 * inter * h >= PARALLEL_WORK;
     if (bf16_in) {  // x rounded to bf16 once: as floats for the tiles, and as split rows
 #pragma omp parallel for num_threads(num_threads) if (parallel && tokens >= 64)
-        for (int64_t t = 0; t < tokens; ++t)
-            for (int64_t i = 0; i < h; ++i) {
-                xr[t * h + i] = round_bf16(x[t * x_stride + i]);
-                if (s.xb) s.xb[t * h + split_index(i)] = xr[t * h + i];
-            }
+        for (int64_t t = 0; t < tokens; ++t) {
+            const float* xrow = x + t * x_stride;
+            float* rt = xr + t * hs;
+            int64_t i = 0;
+            for (; i + W <= h; i += W) store(rt + i, round_bf16(load(xrow + i)));
+            for (; i < h; ++i) rt[i] = round_bf16(xrow[i]);
+            for (i = 0; s.xb && i < h; ++i) s.xb[t * h + split_index(i)] = rt[i];
+        }
         x = xr;
-        x_stride = h;
+        x_stride = hs;
     }
     thread_local std::vector<float> xt;
-    plan_large(*l, s, plan, xt);
+    plan_large(*l, s, x, x_stride, plan, xt);
     const Call c{*l, plan, s, x, x_stride, tokens, weights, topk, out, out_stride,
                  accumulate != 0};
 #pragma omp parallel num_threads(num_threads) if (parallel)
