@@ -275,9 +275,7 @@ void grouped_products(const std::vector<GroupedProduct>& ps, int64_t packs, int6
     }
     float* const stage = thread_buffer(1, ACC * KC);
 #if defined(__AVX512F__)
-    thread_local std::vector<float> sums;
-    sums.resize(PANEL_ROW_BLOCK * PANEL_N);
-    float* const part = sums.data();
+    float* const part = thread_buffer(2, PANEL_ROW_BLOCK * PANEL_N);
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
