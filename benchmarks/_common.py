@@ -3,6 +3,7 @@ vLLM peer process for same-run comparisons)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Self
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +59,18 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     so = scheduler.schedule()
     scheduler.update_from_output(so, one_token_each(so))
     return so
+
+
+@contextlib.contextmanager
+def worker_env(env: dict[str, str]) -> Iterator[None]:
+    """`env` in os.environ while an engine starts (its processes inherit it)."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def spread(values: list[float]) -> str:

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from _common import Peer, spread
+from _common import Peer, spread, worker_env
 from bench_offline import make_prompts
 
 from launch import LLM, SamplingParams
@@ -51,18 +51,6 @@ def neighbour() -> Iterator[None]:
     finally:
         proc.kill()
         proc.wait()
-
-
-@contextlib.contextmanager
-def worker_env(env: dict[str, str]) -> Iterator[None]:
-    """`env` in os.environ while an engine starts (its processes inherit it)."""
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def ours(llm: LLM, shape: str) -> Run:

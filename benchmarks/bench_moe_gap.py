@@ -28,7 +28,7 @@ import time
 from contextlib import ExitStack
 
 import torch
-from _common import spread
+from _common import spread, worker_env
 from bench_moe import BATCH, SHAPE, make_model
 from bench_offline import make_prompts
 
@@ -135,16 +135,8 @@ def _start(model: str, args, spec: str) -> LLM:
     head, brace, rest = spec.partition("{")
     env = dict(word.split("=", 1) for word in head.split())
     options = json.loads(brace + rest or "{}")
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with worker_env(env):
         return LLM(model, dtype=args.dtype, num_threads=args.threads, **{**ENGINE, **options})
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def _engine(llm: LLM, prompts: list[list[int]], out_len: int):
