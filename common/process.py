@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -51,7 +52,9 @@ def set_title(title: str) -> None:
 def watch_parent(parent_pid: int, on_orphaned: Callable[[], None] | None = None,
                  interval_s: float = 0.1) -> None:
     """Exit as soon as the parent is gone (no orphans), after `on_orphaned` (quick cleanup:
-    what the parent can no longer do, e.g. removing its runtime directory)."""
+    what the parent can no longer do, e.g. removing its runtime directory). The watch blocks on
+    the parent's pidfd where Linux has one (no wake-ups until the parent exits), else checks
+    every `interval_s`."""
     def leave() -> None:
         try:
             if on_orphaned is not None:
@@ -60,6 +63,13 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None] | None = None,
             os._exit(1)
 
     def watch() -> None:
+        exited = parent_exit_fd(parent_pid)
+        if exited is not None:
+            waiter = select.poll()
+            waiter.register(exited, select.POLLIN)
+            while not waiter.poll():  # readable once the parent has exited
+                pass
+            leave()
         while True:
             if os.getppid() != parent_pid:
                 leave()
@@ -67,6 +77,19 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None] | None = None,
     if os.getppid() != parent_pid:
         leave()
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def parent_exit_fd(parent_pid: int) -> int | None:
+    """A pidfd of our parent (readable once it exits), or None where there is none (no
+    pidfd_open, or the parent is already gone)."""
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        return None
+    if os.getppid() != parent_pid:  # gone before the fd was opened: the pid may be another's
+        os.close(fd)
+        return None
+    return fd
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -18,7 +18,7 @@ import zmq
 from engine_utils import engine_pids, titles, wait_gone
 from model_utils import make_tiny_model
 
-from common.process import free_port
+from common.process import free_port, parent_exit_fd
 from common.worker_auth import hello_proof, new_secret, secure_client
 from engine_core.workers.worker_failure import WorkerFailure
 from engine_core.workers.worker_group import WorkerGroup
@@ -150,6 +150,57 @@ def test_children_exit_when_the_front_end_dies(tiny, signum):
     proc.wait()
     assert not wait_gone(pids, 2.0)
     assert not os.path.exists(runtime_dir)
+
+
+def test_parent_exit_fd_is_only_our_parents():
+    fd = parent_exit_fd(os.getppid())
+    if fd is None:
+        pytest.skip("no pidfd_open here: watch_parent polls instead")
+    os.close(fd)
+    assert parent_exit_fd(os.getpid()) is None  # alive, but not our parent
+
+
+def test_an_orphan_leaves_at_once_and_does_not_poll_meanwhile(tmp_path):
+    """watch_parent blocks on the parent's pidfd: no wake-ups while the parent lives (the
+    engine's children ran a 10 Hz poll before), and the orphan leaves as soon as it dies."""
+    if parent_exit_fd(os.getppid()) is None:
+        pytest.skip("no pidfd_open here: watch_parent polls instead")
+    marker = tmp_path / "orphaned"
+    child = textwrap.dedent(f"""
+        import os, time
+        from common.process import watch_parent
+        watch_parent(os.getppid(), lambda: open({str(marker)!r}, "w").close())
+        print(os.getpid(), flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", {child!r}])
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE)
+    try:
+        pid = int(parent.stdout.readline())
+        time.sleep(0.2)  # the watch thread is blocked by now
+        before = _switches(pid)
+        time.sleep(0.5)
+        assert _switches(pid) - before <= 1  # a 10 Hz poll would switch about 5 times
+        parent.kill()
+        parent.wait()
+        gone_at = time.monotonic()
+        assert not wait_gone([pid], 2.0)
+        assert time.monotonic() - gone_at < 0.5 and marker.exists()
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
+def _switches(pid: int) -> int:
+    """Context switches of all of a process's threads so far."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    return total
 
 
 def test_ctrl_c_stops_everything_in_order(tiny):
