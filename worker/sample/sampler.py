@@ -36,6 +36,8 @@ class Sampler:
                ) -> tuple[list[int], list[SampleLogprobs | None] | None]:
         """logits: [n, vocab] float32, row i for the metadata's row i -> one token per row,
         plus logprobs when any row asked for them."""
+        if metadata.plain:  # greedy rows and nothing else (the usual decode step)
+            return argmax(logits).tolist(), None
         want_logprobs = metadata.logprobs
         raw = torch.log_softmax(logits, dim=-1) if (want_logprobs >= 0).any() else None
         for processor in self.processors:
