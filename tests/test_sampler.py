@@ -38,6 +38,24 @@ def test_greedy_is_argmax():
     assert tokens == logits.argmax(-1).tolist() and logprobs is None
 
 
+@pytest.mark.parametrize("other,plain", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=0.0, logprobs=0), False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.3), False),
+    (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]), False),
+])
+def test_plain_steps_take_the_argmax_and_others_every_part(other, plain):
+    """A step of greedy rows with nothing else is marked plain (the sampler then only takes
+    the argmax); one row with a draw, logprobs, penalties or min_tokens makes it not."""
+    metadata = _metadata([SamplingParams(temperature=0.0)] * 3 + [other], eos=7)
+    assert metadata.plain == plain
+    logits = _logits(4, seed=3)
+    logits[0, [7, 40]] = 50.0  # a tie: the first index
+    tokens, _ = Sampler(0, CPU).sample(logits, metadata)
+    assert tokens[:3] == logits[:3].argmax(-1).tolist() and tokens[0] == 7
+
+
 def test_seeded_requests_reproduce_across_runs_and_batches():
     logits = _logits(1)
     seeded = SamplingParams(temperature=1.0, seed=1234)

@@ -231,17 +231,20 @@ class InputBatch:
         if grammar_rows is not None:
             below[grammar_rows] = False
         below_min = np.flatnonzero(below)
+        logprobs = table.logprobs[rows]
+        plain = not (len(random) or len(penalized) or len(below_min)
+                     or grammar_rows is not None or (logprobs >= 0).any())
         return SamplingMetadata(
             temperature=temperature, all_greedy=not len(random), top_k=table.top_k[rows],
             top_p=table.top_p[rows], min_p=table.min_p[rows],
             generators={i: generator for i in random.tolist()
                         if (generator := table.generators[rows[i]]) is not None},
-            logprobs=table.logprobs[rows], penalized=penalized,
+            logprobs=logprobs, penalized=penalized,
             penalty_params=[table.params[rows[i]] for i in penalized],
             prompt_tokens=[prompt for prompt, _ in views],
             output_tokens=[output for _, output in views], below_min_tokens=below_min,
             stop_tokens=[table.stop_tokens(int(rows[i])) for i in below_min],
-            grammar_rows=grammar_rows, grammar_bitmask=bitmask)
+            grammar_rows=grammar_rows, grammar_bitmask=bitmask, plain=plain)
 
     def _grammar(self, rows: np.ndarray, grammar: GrammarBitmask | None,
                  ) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -27,6 +27,7 @@ from worker.native.library import KernelUse
 from worker.native.prebuild import libraries_for, prebuild
 from worker.pooling.pooler import Pooler
 from worker.pooling.pooling_head import PoolingHead
+from worker.sample.metadata import SamplingMetadata
 from worker.sample.rejection_sampler import RejectionSampler
 from worker.sample.sampler import Sampler
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -228,6 +229,10 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], step=so.step)
         step = prepare_step(self.input_batch, so)
+        if self.output_head == self._sampled_output and step.num_drafts is None:
+            # Gathered now, while numpy's code and the batch's columns are in cache: after the
+            # layers stream their weights through it, the same gathers take ~10x as long.
+            step.sampling = self._sampling_metadata(so, step)
         self.lora.begin_step(so, step)
         for metadata in step.metadata.groups():
             self.attention.plan(metadata)
@@ -257,14 +262,27 @@ class ModelRunner:
         sampled_rows = step.rows[step.sampled]
         if not len(sampled_rows):  # only prefill chunks short of their prompts' ends
             return [], None
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        # logits_indices increase: as many as the token rows means all of them, in order
+        # (every decode step), and the rows need no gather
+        rows = step.logits_indices
+        logits = self.model.compute_logits(hidden if len(rows) == len(hidden) else hidden[rows])
         if step.num_drafts is not None:
             return self._verify(so, step, sampled_rows, logits)
-        tokens, logprobs = self.sampler.sample(
-            logits, self.input_batch.sampling_metadata(sampled_rows, so.grammar_bitmask))
+        metadata = step.sampling
+        if metadata is None:  # not gathered before the forward
+            metadata = self._sampling_metadata(so, step)
+        tokens, logprobs = self.sampler.sample(logits, metadata)
         self.input_batch.append_tokens(sampled_rows, tokens)
         return ([[token] for token in tokens],
                 logprobs and [[e] if e is not None else None for e in logprobs])
+
+    def _sampling_metadata(self, so: SchedulerOutput, step: StepInputs,
+                           ) -> SamplingMetadata | None:
+        """A plain step's sampler inputs for its sampled rows (None: nothing sampled)."""
+        sampled_rows = step.rows[step.sampled]
+        if not len(sampled_rows):
+            return None
+        return self.input_batch.sampling_metadata(sampled_rows, so.grammar_bitmask)
 
     def _verify(self, so: SchedulerOutput, step: StepInputs, sampled_rows: np.ndarray,
                 logits: torch.Tensor) -> tuple[list[list[int]], list | None]:

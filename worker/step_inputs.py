@@ -11,6 +11,7 @@ from protocol.scheduler_output import SchedulerOutput
 from protocol.speculative_config import MAX_SPEC_LEN
 from worker.attention.metadata import AttentionMetadata
 from worker.input_batch import InputBatch, StepProtocolError, as_array
+from worker.sample.metadata import SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -29,6 +30,9 @@ class StepInputs:
     num_drafts: np.ndarray | None = None
     counts: np.ndarray | None = None  # [num_reqs] tokens each request computes in the step
     lora_ids: np.ndarray | None = None  # [num_reqs] each request's LoRA adapter id (0: none)
+    # A plain step's sampler inputs for its sampled rows, gathered before the forward (the
+    # model runner's; None: not gathered, or nothing sampled).
+    sampling: SamplingMetadata | None = None
 
 
 def prepare_step(batch: InputBatch, so: SchedulerOutput) -> StepInputs:

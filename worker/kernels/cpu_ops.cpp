@@ -1,6 +1,6 @@
 // Small fused CPU ops of the decoder layers: RMSNorm (optionally with the residual add fused
 // in, or over each head of q/k in place), silu_and_mul, gelu_tanh_and_mul and rotary
-// embedding. Called through ctypes (worker/cpu_ops.py)
+// embedding; and the sampler's greedy argmax over float32 logits rows (argmax.h). Called through ctypes (worker/cpu_ops.py)
 // with raw pointers; each returns 0, or a nonzero status when it rejects its arguments.
 //
 // Dtype codes (worker/cpu_kernel_library.py DTYPE_CODES): 0 float32, 1 bfloat16, 2 float16.
@@ -15,6 +15,7 @@
 //   rotary        q [tokens, num_heads, head_dim] (q_stride; heads contiguous), k likewise
 //                 with num_kv_heads; positions [tokens] int64; cos/sin [max_position,
 //                 head_dim] float32, contiguous
+//   argmax        x [rows, cols] float32 (x_stride), out [rows] int64
 // Math is float32 and rounds once to the output dtype, except rotary embedding, which rounds
 // like the torch reference / Hugging Face (see rotate_row).
 //
@@ -30,6 +31,8 @@
 #include "cpu_exp.h"
 
 namespace {
+
+#include "argmax.h"
 
 // x rounded to T and back (identity for float).
 template <class T> inline float round_to(float x) { return to_float(from_float<T>(x)); }
@@ -285,6 +288,15 @@ int cpu_rotary_embedding(int dtype, const int64_t* positions, void* q, int64_t q
         case 2: return rotary_embedding<half_t>(a);
         default: return 1;
     }
+}
+
+// out[r] = torch.argmax(x[r]) for each of `rows` float32 rows of `cols` (argmax.h).
+__attribute__((visibility("default")))
+int cpu_argmax(const float* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t* out,
+               int num_threads) {
+    if (cols <= 0 || rows < 0 || num_threads < 0) return 1;
+    argmax_rows(x, x_stride, rows, cols, out, num_threads);
+    return 0;
 }
 
 }  // extern "C"

@@ -1,5 +1,5 @@
 """The fused CPU ops of worker/kernels/cpu_ops.cpp (RMSNorm with an optional residual add,
-silu_and_mul, rotary embedding), called through ctypes with raw pointers so a call costs a
+silu_and_mul, rotary embedding, the sampler's greedy argmax), called through ctypes with raw pointers so a call costs a
 few microseconds instead of a handful of torch ops.
 
 `native_ops()` is the loaded library, or None when it is disabled (DELTASERVE_CPU_OPS=0, or
@@ -43,6 +43,8 @@ _HEAD_NORM_ARGS = [I32, PTR, I64, I32, I64, PTR, I64, F32, I32]
 # dtype, positions, q, q_stride, num_heads, k, k_stride, num_kv_heads, num_tokens, head_dim,
 # cos, sin, max_position, num_threads
 _ROPE_ARGS = [I32, PTR, PTR, I64, I32, PTR, I64, I32, I64, I32, PTR, PTR, I64, I32]
+# x, x_stride, rows, cols, out, num_threads
+_ARGMAX_ARGS = [PTR, I64, I64, I64, PTR, I32]
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -66,6 +68,7 @@ class CpuOps:
         self._gelu = entry_point(library, "cpu_gelu_tanh_and_mul", _SILU_ARGS)
         self._head_norm = entry_point(library, "cpu_head_rms_norm", _HEAD_NORM_ARGS)
         self._rope = entry_point(library, "cpu_rotary_embedding", _ROPE_ARGS)
+        self._argmax = entry_point(library, "cpu_argmax", _ARGMAX_ARGS)
 
     @staticmethod
     def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor,
@@ -141,6 +144,22 @@ class CpuOps:
                             q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr(),
                             cos.shape[0], torch.get_num_threads())
         _check(status, "cpu_rotary_embedding")
+
+    @staticmethod
+    def argmax_supported(x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0
+                and (x.stride(1) == 1 or x.shape[1] == 1) and x.is_cpu)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of float32 rows [n, vocab] -> [n] int64: the first index
+        of each row's maximum, NaN counting as the maximum."""
+        n = x.shape[0]
+        out = torch.empty(n, dtype=torch.int64)
+        if n:
+            status = self._argmax(x.data_ptr(), x.stride(0), n, x.shape[1], out.data_ptr(),
+                                  torch.get_num_threads())
+            _check(status, "cpu_argmax")
+        return out
 
 
 def _check(status: int, name: str) -> None:

@@ -33,3 +33,6 @@ class SamplingMetadata:
     # word w of grammar_bitmask[k] allows token 32 * w + j in row grammar_rows[k].
     grammar_rows: np.ndarray | None = None  # [g] int64, increasing
     grammar_bitmask: np.ndarray | None = None  # [g, ceil(vocab / 32)] int32
+    # Every row greedy, with no logprobs, penalties, min_tokens or grammar mask: the tokens
+    # are the logits' argmax, nothing else to do (False: the sampler looks at each part).
+    plain: bool = False

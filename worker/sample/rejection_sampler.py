@@ -8,7 +8,7 @@ import torch
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import GREEDY_EPS
 from worker.sample.metadata import SamplingMetadata
-from worker.sample.sampler import Sampler, probabilities, sample_logprobs
+from worker.sample.sampler import Sampler, argmax, probabilities, sample_logprobs
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
 
 
@@ -43,8 +43,8 @@ class RejectionSampler:
         for processor in self.sampler.processors:
             logits = processor.apply(logits, metadata)
         starts = spec.logits_start
-        argmax = logits.argmax(dim=-1).cpu().numpy()
-        tokens = _verify_greedy(argmax, spec, starts)
+        argmax_tokens = argmax(logits).cpu().numpy()
+        tokens = _verify_greedy(argmax_tokens, spec, starts)
         if not metadata.all_greedy:
             drafts = spec.draft_token_ids.tolist()
             cu = spec.cu_num_drafts.tolist()

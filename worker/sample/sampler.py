@@ -11,6 +11,7 @@ import torch
 
 from protocol.model_runner_output import SampleLogprobs
 from protocol.sampling_params import GREEDY_EPS
+from worker.native.cpu_ops import native_ops
 from worker.sample.grammar_bitmask import GrammarBitmaskLogitsProcessor
 from worker.sample.logits_processors import (
     LogitsProcessor,
@@ -35,11 +36,13 @@ class Sampler:
                ) -> tuple[list[int], list[SampleLogprobs | None] | None]:
         """logits: [n, vocab] float32, row i for the metadata's row i -> one token per row,
         plus logprobs when any row asked for them."""
+        if metadata.plain:  # greedy rows and nothing else (the usual decode step)
+            return argmax(logits).tolist(), None
         want_logprobs = metadata.logprobs
         raw = torch.log_softmax(logits, dim=-1) if (want_logprobs >= 0).any() else None
         for processor in self.processors:
             logits = processor.apply(logits, metadata)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         if not metadata.all_greedy:
             random = np.flatnonzero(metadata.temperature >= GREEDY_EPS)
             tokens[random] = self._sample_random(logits[random], metadata, random)
@@ -61,7 +64,17 @@ class Sampler:
             if generator is not None:
                 noise[i].exponential_(generator=generator)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of rows [n, vocab] -> [n] int64: on the CPU the native kernel
+    where the library is built (the same indices: a row's first maximum, NaN counting as the
+    maximum), else torch's (~1 ms for 32 rows of a 32k vocabulary, the kernel ~0.1 ms)."""
+    ops = native_ops() if logits.is_cpu else None
+    if ops is not None and ops.argmax_supported(logits):
+        return ops.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def probabilities(logits: torch.Tensor, metadata: SamplingMetadata,

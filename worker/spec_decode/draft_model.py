@@ -17,6 +17,7 @@ from worker.kv_cache import allocate_kv_cache
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.models.registry import load_model_config
+from worker.sample.sampler import argmax
 from worker.sample.spec_decode_metadata import SpecDecodeMetadata
 from worker.step_inputs import StepInputs, attention_inputs
 
@@ -147,7 +148,7 @@ class DraftModelProposer:
                 probs: list[list[torch.Tensor]], active: np.ndarray) -> list[int]:
         """A draft token per row: the argmax for greedy requests; for random ones a draw from
         softmax(logits / temperature), recorded in `probs`."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = argmax(logits).tolist()
         table = batch.sampling
         for i, row in enumerate(rows.tolist()):
             temperature = float(table.temperature[row])
