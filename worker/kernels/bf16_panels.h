@@ -115,15 +115,37 @@ void panel_unit(const Args& a, int64_t n0, const float* xt) {
     }
 }
 
+#ifndef PANEL_GUIDED_PANELS
+#define PANEL_GUIDED_PANELS 1024
+#endif
+// From this many panels (an LM head's 2667 at RN = 12), threads take guided chunks of panels
+// (halving from half the panels down to PANEL_GUIDED_CHUNK) instead of one static range each.
+constexpr int64_t GUIDED_PANELS = PANEL_GUIDED_PANELS, PANEL_GUIDED_CHUNK = 8;
+
+// xᵀ for the panels: with one tile, each thread packs its own (no barrier, and the tile is
+// read from the thread's own L2); else the team splits the tiles (team_packed_xt).
+template <int MV>
+const float* panels_xt(const Args& a) {
+    if (a.m > MV) return team_packed_xt<MV>(a, pack_panel_xt<MV>);
+    float* const own = thread_buffer(0, MV * a.k);
+    pack_panel_xt<MV>(a.x, a.x_stride, a.m, 0, a.k, own);
+    return own;
+}
+
 // The driver, called by every thread of a parallel region (or by one thread outside any):
-// xᵀ packed by all (tiles split), then contiguous ranges of panels per thread.
+// xᵀ packed (panels_xt), then contiguous ranges of panels per thread.
 template <int NVM>
 void panel_units(const Args& a) {
     constexpr int MV = NVM * W, RN = ACC / NVM;
     const int64_t panels = (a.n + RN - 1) / RN;
-    const float* const xt = team_packed_xt<MV>(a, pack_panel_xt<MV>);
+    const float* const xt = panels_xt<MV>(a);
+    if (panels >= GUIDED_PANELS) {
+#pragma omp for schedule(guided, PANEL_GUIDED_CHUNK)
+        for (int64_t u = 0; u < panels; ++u) panel_unit<NVM>(a, u * RN, xt);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < panels; ++u) panel_unit<NVM>(a, u * RN, xt);
+        for (int64_t u = 0; u < panels; ++u) panel_unit<NVM>(a, u * RN, xt);
+    }
 }
 
 // bf16_panels for the row count: tiles of 2W rows (2 vectors each), or of W rows up to W.
