@@ -34,8 +34,9 @@
 // itself. Measured at 32 rows (interleaved in one process, same bits, bench MoE model's
 // shapes; /work/notes/issue-31-panel9.md): the second stage took the LM head from 7.82 to
 // 7.47 ms and 8 layers' q/k/v + o from 9.78 to 9.53; the own xᵀ took a [1152, 1024] product
-// from 298 to 278 us and q/k/v + o from 10.2 to 9.9 ms; in the 32-stream step the guided
-// chunks and own xᵀ took the LM head from 8.1-8.7 to 8.05-8.2 ms.
+// from 298 to 278 us and q/k/v + o from 10.2 to 9.9 ms; the 32-stream step (all three, 6
+// alternating runs of bench_moe_step.py) went from 93.3 to 92.4 ms, its LM head from 8.31
+// to 7.74 (in the Python layer loop q/k/v from 6.37 to 5.92 ms, o from 5.22 to 4.78).
 // Measured and not kept (32 rows, interleaved in one process, same bits): K blocks of 256
 // over groups of 8 panels, so an xᵀ block stays in L1 (partial sums reloaded): LM head 8.66
 // ms instead of 8.51, 8 layers' q/k/v + o 13.9 instead of 10.3; dynamic chunks of panels
