@@ -34,9 +34,11 @@ def threads():
 
 
 # (rows, N, K): row counts around the 16- and 32-row tiles, N not a multiple of the 12- or
-# 24-row panels, K of one 64-element block up to x at PANEL_X_BYTES (128 x 2048 floats)
+# 24-row panels, K of one 64-element block up to x at PANEL_X_BYTES (128 x 2048 floats); from
+# GUIDED_PANELS (1024) panels the threads take guided chunks (an LM head's shape)
 CASES = [(m, 77, 64) for m in (9, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 128)] + [
-    (32, 1000, 1024), (64, 300, 2048), (128, 131, 2048), (40, 2500, 256)]
+    (32, 1000, 1024), (64, 300, 2048), (128, 131, 2048), (40, 2500, 256), (32, 12300, 64),
+    (16, 24600, 64), (48, 12290, 64)]
 
 
 @pytest.mark.parametrize("m,n,k", CASES)
@@ -81,7 +83,7 @@ def test_portable_builds(threads, march, width):
         pytest.skip(f"no C++ compiler: {e}")
     assert ops.simd_width == width
     gen = torch.Generator().manual_seed(width)
-    for m, n, k in [(9, 29, 64), (16, 50, 128), (33, 29, 96), (64, 131, 512)]:
+    for m, n, k in [(9, 29, 64), (16, 50, 128), (33, 29, 96), (64, 131, 512), (33, 6200, 64)]:
         w = torch.randn(n, k, generator=gen).bfloat16()
         x = torch.randn(m, k, generator=gen)
         threads(1)

@@ -67,8 +67,9 @@ void direct_groups(const Args& a) {
 }
 
 // A float buffer of at least `size` elements owned by the calling thread and reused by its
-// later calls; slot 0: xᵀ tiles (the caller's thread), 1: a decode stage (each thread), 2: a
-// unit's partial sums (each thread: fused_moe_grouped.h's panel units).
+// later calls; slot 0: xᵀ tiles (the caller's thread, or each thread's own: bf16_panels.h),
+// 1: a decode stage (each thread), 2: a unit's partial sums (each thread:
+// fused_moe_grouped.h's panel units).
 float* thread_buffer(int slot, int64_t size) {
     thread_local std::vector<float> buffers[3];
     std::vector<float>& b = buffers[slot];
