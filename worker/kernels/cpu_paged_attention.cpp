@@ -59,6 +59,7 @@ struct Params {
 
 #include "cpu_paged_attention_simd.h"
 #include "cpu_paged_attention_rows.h"
+#include "cpu_paged_attention_split.h"
 #include "cpu_paged_attention_bf16.h"
 #include "cpu_paged_attention_tile.h"
 

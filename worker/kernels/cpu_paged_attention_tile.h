@@ -18,7 +18,7 @@
 // AVX512-BF16, head_dim a multiple of 32) the direct scores and every p · V run on vdpbf16ps
 // (cpu_paged_attention_bf16.h), the scores from the unscaled bf16 queries (qb_), scaled
 // after. Included inside cpu_paged_attention.cpp's anonymous namespace, after
-// cpu_paged_attention_simd.h, _rows.h and _bf16.h.
+// cpu_paged_attention_simd.h, _rows.h, _split.h and _bf16.h.
 #pragma once
 
 // FixedDim: head_dim known at compile time, or 0. Dot: the vdpbf16ps units (T = bf16 only).
