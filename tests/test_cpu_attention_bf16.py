@@ -1,7 +1,7 @@
 """The attention kernel's vdpbf16ps units for bfloat16 caches (cpu_paged_attention_bf16.h):
 against the float64 reference and the widened bf16 path on the same random NaN-poisoned
-cases as test_cpu_attention.py; the backend's choice (DELTASERVE_CPU_BF16=0 keeps the widened
-path); builds without AVX512-BF16 (x86-64-v3) ignore the request bit for bit."""
+cases as test_cpu_attention.py; the backend's choice (the widened path unless asked); builds
+without AVX512-BF16 (x86-64-v3) ignore the request bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -86,10 +86,13 @@ def test_dot_units_never_pair_a_row_with_keys_it_cannot_see():
         assert not out[6:].isfinite().all()
 
 
-@pytest.mark.parametrize("forced,flag", [("0", 0), ("1", BF16_DOT)])
-def test_backend_asks_for_the_units_where_bf16_is_native(monkeypatch, forced, flag):
+@pytest.mark.parametrize("forced", ["0", "1"])
+@pytest.mark.parametrize("asked,flag", [(None, 0), (False, 0), (True, BF16_DOT)])
+def test_backend_asks_for_the_units_only_when_told(monkeypatch, forced, asked, flag):
+    """The widened path is the default (faster where measured, cpu_backend.py); the
+    DELTASERVE_CPU_BF16 override does not change it."""
     monkeypatch.setenv("DELTASERVE_CPU_BF16", forced)
-    backend = CpuAttentionBackend()
+    backend = CpuAttentionBackend(bf16_dot=asked)
     assert backend._codes[torch.bfloat16] == 1 | flag
     assert backend._codes[torch.float32] == 0 and backend._codes[torch.float16] == 2
     case = _case("mixed", (8, 2), 64, 16, seed=5)

@@ -35,6 +35,8 @@
 #include <immintrin.h>  // cpu_simd.h: 16-bit loads
 #endif
 
+#include <omp.h>
+
 #include "cpu_dtypes.h"
 #include "cpu_exp.h"
 
@@ -57,6 +59,7 @@ struct Params {
 
 #include "cpu_paged_attention_simd.h"
 #include "cpu_paged_attention_rows.h"
+#include "cpu_paged_attention_split.h"
 #include "cpu_paged_attention_bf16.h"
 #include "cpu_paged_attention_tile.h"
 
@@ -83,7 +86,12 @@ void write_and_attend(const Params& p) {
     write_kv<T>(p);  // ends in an implicit barrier: every slot is written before any read
     Tile<T, D, Dot> tile(p);
     const int64_t units = p.num_items * p.num_kv_heads;
-#pragma omp for schedule(dynamic, 1)
+    // With many items, a thread takes all KV heads of one item in turn (dynamic chunks of
+    // num_kv_heads units): the cache blocks' rows hold every head, so the core that reads one
+    // head's half of a block (whose lines the L2 streamer fetches around it) reads the rest.
+    // Few items: one unit at a time, so a single long request still spreads over the team.
+    const int chunk = p.num_items >= 4 * omp_get_num_threads() ? p.num_kv_heads : 1;
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t u = 0; u < units; ++u)
         tile.attend(p.items + 3 * (u / p.num_kv_heads), static_cast<int>(u % p.num_kv_heads));
 }

@@ -73,7 +73,7 @@ void transpose_keys(const T* cache, const int64_t* off, int n, int dim, float* k
 // s[r] = q_r . k_t for the chunk's KC keys (zero keys past n), rows q + r * q_stride (the
 // queries, prescaled). P independent partial sums per (row, vector) hide the FMA latency.
 template <int R>
-void group_scores(const float* q, int dim, const float* kt, Vec (&s)[R][NK]) {
+void group_scores(const float* q, int dim, const float* kt, Vec (*s)[NK]) {
     constexpr int P = 8 / (R * NK) > 1 ? 8 / (R * NK) : 1;
     Vec acc[P][R][NK] = {};
     const auto add = [&](int u, int64_t d) __attribute__((always_inline)) {

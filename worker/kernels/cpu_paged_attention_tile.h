@@ -10,10 +10,15 @@
 // row with the K rows straight from the cache (key_dots); bigger ones (prefill, and decode
 // with larger GQA groups) first transpose the chunk's K head slice into kt_ [head_dim][KC]
 // fp32, so scores vectorize over keys and each kt_ vector feeds a whole row group
-// (group_scores). With Dot (bf16 caches, AVX512-BF16, head_dim a multiple of 32)
-// the direct scores and every p · V run on vdpbf16ps (cpu_paged_attention_bf16.h), the scores
-// from the unscaled bf16 queries (qb_), scaled after. Included inside cpu_paged_attention.cpp's
-// anonymous namespace, after cpu_paged_attention_simd.h, _rows.h and _bf16.h.
+// (group_scores). bf16 caches on the widened path with a fixed head_dim that is a multiple
+// of 2W (kSplit) read K and V by parity (load_words: the pairs of a row transposed as dwords,
+// V accumulated into even/odd columns, put back in order by store), and with AVX-512 their
+// transposed tiles run p . V 8 rows at a time (RW). The next chunk's K rows are prefetched
+// when a chunk starts, its V rows after the chunk's K transposition. With Dot (bf16 caches,
+// AVX512-BF16, head_dim a multiple of 32) the direct scores and every p · V run on vdpbf16ps
+// (cpu_paged_attention_bf16.h), the scores from the unscaled bf16 queries (qb_), scaled
+// after. Included inside cpu_paged_attention.cpp's anonymous namespace, after
+// cpu_paged_attention_simd.h, _rows.h, _split.h and _bf16.h.
 #pragma once
 
 // FixedDim: head_dim known at compile time, or 0. Dot: the vdpbf16ps units (T = bf16 only).
@@ -47,7 +52,11 @@ public:
         for (int t0 = kv_begin; t0 < kv_end; t0 += KC) {
             const int n = std::min(KC, kv_end - t0);
             chunks.next(n);
-            if (t0 + KC < kv_end) prefetch(chunks.peek(std::min(KC, kv_end - t0 - KC)));
+            next_.n = 0;  // the next chunk's K rows now, its V rows after this chunk's K
+            if (t0 + KC < kv_end) {
+                next_ = chunks.peek(std::min(KC, kv_end - t0 - KC));
+                prefetch(next_, k_cache_);
+            }
             attend_chunk(chunks.offsets, t0, n);
         }
         store(start + j0, kv_head);
@@ -61,6 +70,15 @@ private:
     // transposed (32 seqs, context 64..192, 2 threads): key_dots widens each K row once per
     // query row and reduces across lanes per key; the transposition widens it once per tile.
     static constexpr int kDirectRows = RG;
+    // bf16 rows of a fixed head_dim that is a multiple of 2W, widened path: K transposed and
+    // V accumulated by parity (load_words); the accumulator rows hold each 2W-column block as
+    // its even columns, then its odd ones.
+    static constexpr bool kSplit =
+        std::is_same_v<T, bf16> && !Dot && FixedDim > 0 && FixedDim % (2 * W) == 0;
+    // Rows per group in transposed tiles: with AVX-512 and the split layout, 8 rows x 2
+    // vectors, so p . V widens each V row once per 8 rows (the scores still go 4 rows at a
+    // time, P = 2 partial sums, as with RG).
+    static constexpr int RW = kSplit && W >= 16 ? 2 * RG : RG;
 
     int dim() const { return FixedDim ? FixedDim : dim_; }
     int visible(int m, int t0, int n) const {  // keys of the chunk row m attends: [0, result)
@@ -82,23 +100,31 @@ private:
         }
     }
 
-    // The next chunk's K and V rows (n rows of one head) towards the cache.
-    void prefetch(const KeyChunks::Peek& next) const {
+    // The next chunk's rows of one cache (n rows of one head) towards L1.
+    void prefetch(const KeyChunks::Peek& next, const T* cache) const {
         const int row_bytes = dim() * static_cast<int>(sizeof(T));
         for (int t = 0; t < next.n; ++t) {
-            const char* k = reinterpret_cast<const char*>(k_cache_ + next.offsets[t]);
-            const char* v = reinterpret_cast<const char*>(v_cache_ + next.offsets[t]);
-            for (int off = 0; off < row_bytes; off += 64) {
-                __builtin_prefetch(k + off);
-                __builtin_prefetch(v + off);
-            }
+            const char* k = reinterpret_cast<const char*>(cache + next.offsets[t]);
+            for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(k + off);
         }
     }
 
     // Keys t0 + [0, n) at element offsets off[t] of both caches (n <= KC, all < kv_end).
     void attend_chunk(const int64_t* off, int t0, int n) {
-        if (rows_ > kDirectRows) transpose_keys(k_cache_, off, n, dim(), kt_.data());
-        for (int m0 = 0; m0 < rows_; m0 += RG) {
+        int m0 = 0;
+        if (rows_ > kDirectRows) {
+            if constexpr (kSplit) {
+                transpose_keys_split(k_cache_, off, n, dim(), kt_.data());
+            } else {
+                transpose_keys(k_cache_, off, n, dim(), kt_.data());
+            }
+        }
+        prefetch(next_, v_cache_);
+        if (rows_ > kDirectRows) {
+            if constexpr (RW > RG)
+                for (; m0 + RW <= rows_; m0 += RW) group<RW>(off, m0, t0, n);
+        }
+        for (; m0 < rows_; m0 += RG) {
             switch (std::min(RG, rows_ - m0)) {
                 case 1: group<1>(off, m0, t0, n); break;
                 case 2: group<2>(off, m0, t0, n); break;
@@ -118,7 +144,9 @@ private:
         Vec s[R][NK];
         const float* q = state_.q.data() + static_cast<size_t>(m0) * dim();
         if (rows_ > kDirectRows) {
-            group_scores<R>(q, dim(), kt_.data(), s);
+            constexpr int SR = R < RG ? R : RG;  // rows per score block
+            for (int h = 0; h < R; h += SR)
+                group_scores<SR>(q + h * dim(), dim(), kt_.data(), s + h);
         } else {
             direct_scores<R>(q, m0, off, n, s);
         }
@@ -132,8 +160,13 @@ private:
             return;
         }
 #endif
-        accumulate<T, R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
-                         state_.acc_rows(m0), state_.acc_stride);
+        if constexpr (kSplit) {
+            accumulate_split<R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
+                                state_.acc_rows(m0), state_.acc_stride);
+        } else {
+            accumulate<T, R>(v_cache_, off, vis, state_.p_rows(m0), alpha, dim(),
+                             state_.acc_rows(m0), state_.acc_stride);
+        }
     }
 
     // Scores of rows [m0, m0 + R) straight from the cache's K rows: the prescaled float32
@@ -162,7 +195,15 @@ private:
                                * static_cast<int64_t>(dim());
             const float* a = state_.acc_rows(m);
             const float inv = 1.0f / hsum(load(state_.sum.data() + static_cast<size_t>(m) * W));
-            for (int d = 0; d < dim(); ++d) dst[d] = from_float<T>(a[d] * inv);
+            if constexpr (kSplit) {
+                for (int c = 0; c < dim(); c += 2 * W) {  // even, odd columns -> pairs
+                    const VecU32 pairs = bf16_bits(load(a + c) * inv)
+                                         | bf16_bits(load(a + c + W) * inv) << 16;
+                    std::memcpy(dst + c, &pairs, sizeof pairs);
+                }
+            } else {
+                for (int d = 0; d < dim(); ++d) dst[d] = from_float<T>(a[d] * inv);
+            }
         }
     }
 
@@ -174,5 +215,6 @@ private:
     std::vector<float> kt_;  // [head_dim][KC]: the chunk's keys, transposed, zeros past n
     std::vector<T> qb_;      // Dot: [rows][head_dim] the queries as stored (unscaled)
     SoftmaxState state_;
+    KeyChunks::Peek next_{};  // the chunk after the current one (n = 0: none)
     int rows_ = 0, first_limit_ = 0;
 };
