@@ -105,11 +105,6 @@ class EngineCoreProc:
                                         ready.vocab_size, ready.sliding_windows)
         if self.kv_events is not None:
             engine.record_kv_events()
-        self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
-                               c.tensor_parallel_size, ready.vocab_size,
-                               ready.attention_backend, ready.dtype, ready.quantization,
-                               list(ready.sliding_windows),
-                               engine.scheduler.max_kv_tokens if ready.sliding_windows else 0))
         logger.info("engine core ready: max_model_len %d, %d KV blocks of %d tokens%s",
                     ready.max_model_len, ready.num_blocks, c.block_size,
                     ready.kv_size(c.tensor_parallel_size))
@@ -122,6 +117,12 @@ class EngineCoreProc:
                     "tensor_parallel_size=%d attention_backend=%s", c.model,
                     ready.quantization, ready.dtype, c.tensor_parallel_size,
                     ready.attention_backend)
+        # after its lines: a front-end told "ready" finds them written
+        self._send(EngineReady(ready.max_model_len, ready.num_blocks, c.block_size,
+                               c.tensor_parallel_size, ready.vocab_size,
+                               ready.attention_backend, ready.dtype, ready.quantization,
+                               list(ready.sliding_windows),
+                               engine.scheduler.max_kv_tokens if ready.sliding_windows else 0))
         self.poller.register(engine.structured_output.wakeup_fd, zmq.POLLIN)
         return engine
 
