@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from cpu_ops_utils import enabled_fixture, ops_fixture  # noqa: F401  (fixtures)
 from model_utils import assert_greedy_matches, hf_greedy, model_dir_for
 
 from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
@@ -28,19 +29,6 @@ from worker.model_runner import ModelRunner
 from worker.native import cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module")
-def ops() -> cpu_ops.CpuOps:
-    loaded = cpu_ops._load()
-    if loaded is None:
-        pytest.skip("the fused cpu ops do not build here")
-    return loaded
-
-
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch):
-    monkeypatch.setattr(cpu_ops, "ENABLED", True)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_ops_utils import enabled_fixture, ops_fixture  # noqa: F401  (fixtures)
 
 from worker.native import cpu_ops
 from worker.sample import sampler as sampler_module
@@ -14,19 +15,6 @@ from worker.sample.metadata import SamplingMetadata
 from worker.sample.sampler import Sampler, argmax
 
 BLOCK = 1024  # argmax.h's ARGMAX_BLOCK: sizes around it reach the block boundaries
-
-
-@pytest.fixture(scope="module")
-def ops() -> cpu_ops.CpuOps:
-    loaded = cpu_ops._load()
-    if loaded is None:
-        pytest.skip("the fused cpu ops do not build here")
-    return loaded
-
-
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch):
-    monkeypatch.setattr(cpu_ops, "ENABLED", True)
 
 
 def _check(ops: cpu_ops.CpuOps, x: torch.Tensor) -> None:
