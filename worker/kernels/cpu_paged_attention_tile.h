@@ -151,6 +151,13 @@ private:
             direct_scores<R>(q, m0, off, n, s);
         }
         float alpha[R];
+#if defined(__AVX512F__)
+        if constexpr (R == 8) {  // RW: all 8 rows' softmax bookkeeping in vectors
+            int hid[R];
+            for (int r = 0; r < R; ++r) hid[r] = hidden(m0 + r, t0, n);
+            state_.update8(m0, s, hid, vis, alpha);
+        } else
+#endif
         for (int r = 0; r < R; ++r)
             alpha[r] = state_.update(m0 + r, s[r], hidden(m0 + r, t0, n), vis[r]);
 #if defined(__AVX512BF16__)
