@@ -13,7 +13,8 @@
 // (group_scores). bf16 caches on the widened path with a fixed head_dim that is a multiple
 // of 2W (kSplit) read K and V by parity (load_words: the pairs of a row transposed as dwords,
 // V accumulated into even/odd columns, put back in order by store), and with AVX-512 their
-// transposed tiles run p . V 8 rows at a time (RW). The next chunk's K rows are prefetched
+// transposed tiles run p . V 8 rows at a time (RW), their softmax update in vectors
+// (SoftmaxState::update8). The next chunk's K rows are prefetched
 // when a chunk starts, its V rows after the chunk's K transposition. With Dot (bf16 caches,
 // AVX512-BF16, head_dim a multiple of 32) the direct scores and every p · V run on vdpbf16ps
 // (cpu_paged_attention_bf16.h), the scores from the unscaled bf16 queries (qb_), scaled
