@@ -175,6 +175,19 @@ void accumulate(const T* cache, const int64_t* off, const int* vis, const float*
     }
 }
 
+// e^x for x <= 0, lane-wise, bit-equal to the scalar exp_nonpositive (cpu_exp.h): n =
+// floor(x log2 e + 0.5) as there (rounded to nearest by the 1.5 * 2^23 trick, then one less
+// where that rounded up), not the vector twin's round-to-nearest-even.
+inline Vec exp_nonpositive_floor(Vec x) {
+    const Vec lo = splat(-87.0f), magic = splat(12582912.0f);  // 1.5 * 2^23
+    const Vec c = x < lo ? lo : x;
+    const Vec z = c * 1.44269504088896341f + 0.5f;
+    const Vec rounded = (z + magic) - magic;
+    const Vec n = rounded > z ? rounded - 1.0f : rounded;
+    const Vec two_n = reinterpret_cast<Vec>((__builtin_convertvector(n, VecI) + 127) << 23);
+    return x < lo ? Vec{} : exp_polynomial(exp_remainder(c, n)) * two_n;
+}
+
 // Per-row buffers of a work unit, reused across units: prescaled queries, unnormalized
 // outputs, the chunk's probabilities, and the online softmax's running max and lane-wise sum.
 struct SoftmaxState {
@@ -228,4 +241,60 @@ struct SoftmaxState {
         store(sm, load(sm) * alpha + total);
         return alpha;
     }
+
+#if defined(__AVX512F__)
+    // update for the 8 rows m0 + [0, 8) at once (16-lane vectors, one score vector per row):
+    // the row maxima by a shuffle tree, the new maxima and the alphas in one vector (its
+    // exp rounds n as the scalar one does), so the results are those of update, row by row.
+    void update8(int m0, const Vec (&s)[8][NK], const int* hidden, const int* visible,
+                 float* alpha) {
+        static_assert(NK == 1);
+        const Vec minus_inf = splat(-std::numeric_limits<float>::infinity());
+        const auto vmax = [](Vec a, Vec b) { return a < b ? b : a; };  // std::max(a, b)
+        Vec masked[8];
+        for (int r = 0; r < 8; ++r) {
+            const VecI lane = lane_index();
+            masked[r] = ((lane < visible[r]) & (lane >= hidden[r])) ? s[r][0] : minus_inf;
+        }
+        // Row maxima: lanes halve per level; a[i] holds rows 2i, 2i+1 in 8-lane halves, b[i]
+        // rows 4i, 4i+2, 4i+1, 4i+3 in quarters, c rows 0, 4, 2, 6, 1, 5, 3, 7 in pairs.
+        Vec a[4], b[2];
+        for (int i = 0; i < 4; ++i)
+            a[i] = vmax(__builtin_shufflevector(masked[2 * i], masked[2 * i + 1], 0, 1, 2, 3, 4,
+                                                5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                        __builtin_shufflevector(masked[2 * i], masked[2 * i + 1], 8, 9, 10, 11,
+                                                12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+        for (int i = 0; i < 2; ++i)
+            b[i] = vmax(__builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18,
+                                                19, 8, 9, 10, 11, 24, 25, 26, 27),
+                        __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22,
+                                                23, 12, 13, 14, 15, 28, 29, 30, 31));
+        const Vec c = vmax(__builtin_shufflevector(b[0], b[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                                   24, 25, 12, 13, 28, 29),
+                           __builtin_shufflevector(b[0], b[1], 2, 3, 18, 19, 6, 7, 22, 23, 10,
+                                                   11, 26, 27, 14, 15, 30, 31));
+        const Vec block_max = vmax(  // lane r: row r (lanes 8..15: copies)
+            __builtin_shufflevector(c, c, 0, 8, 4, 12, 2, 10, 6, 14, 0, 8, 4, 12, 2, 10, 6, 14),
+            __builtin_shufflevector(c, c, 1, 9, 5, 13, 3, 11, 7, 15, 1, 9, 5, 13, 3, 11, 7, 15));
+        Vec old = minus_inf;
+        std::memcpy(&old, max.data() + m0, 8 * sizeof(float));
+        const Vec new_max = vmax(old, block_max);
+        const Vec alphas = new_max > old ? exp_nonpositive_floor(old - new_max) : splat(1.0f);
+        std::memcpy(max.data() + m0, &new_max, 8 * sizeof(float));
+        std::memcpy(alpha, &alphas, 8 * sizeof(float));
+        for (int r = 0; r < 8; ++r) {
+            float* pm = p.data() + static_cast<size_t>(m0 + r) * KC;
+            if (visible[r] <= hidden[r]) {
+                std::fill(pm, pm + KC, 0.0f);
+                continue;
+            }
+            Vec total{};
+            const Vec e = exp_nonpositive(masked[r] - new_max[r]);
+            store(pm, e);
+            total += e;
+            float* sm = sum.data() + static_cast<size_t>(m0 + r) * W;
+            store(sm, load(sm) * alpha[r] + total);
+        }
+    }
+#endif
 };

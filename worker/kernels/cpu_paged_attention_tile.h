@@ -13,7 +13,8 @@
 // (group_scores). bf16 caches on the widened path with a fixed head_dim that is a multiple
 // of 2W (kSplit) read K and V by parity (load_words: the pairs of a row transposed as dwords,
 // V accumulated into even/odd columns, put back in order by store), and with AVX-512 their
-// transposed tiles run p . V 8 rows at a time (RW). The next chunk's K rows are prefetched
+// transposed tiles run p . V 8 rows at a time (RW), their softmax update in vectors
+// (SoftmaxState::update8). The next chunk's K rows are prefetched
 // when a chunk starts, its V rows after the chunk's K transposition. With Dot (bf16 caches,
 // AVX512-BF16, head_dim a multiple of 32) the direct scores and every p · V run on vdpbf16ps
 // (cpu_paged_attention_bf16.h), the scores from the unscaled bf16 queries (qb_), scaled
@@ -151,6 +152,13 @@ private:
             direct_scores<R>(q, m0, off, n, s);
         }
         float alpha[R];
+#if defined(__AVX512F__)
+        if constexpr (R == 8) {  // RW: all 8 rows' softmax bookkeeping in vectors
+            int hid[R];
+            for (int r = 0; r < R; ++r) hid[r] = hidden(m0 + r, t0, n);
+            state_.update8(m0, s, hid, vis, alpha);
+        } else
+#endif
         for (int r = 0; r < R; ++r)
             alpha[r] = state_.update(m0 + r, s[r], hidden(m0 + r, t0, n), vis[r]);
 #if defined(__AVX512BF16__)
