@@ -5,8 +5,6 @@ model; milliseconds per step over --steps steps after 10 warm-up steps, each par
 wrapper around it (about 0.3 us each).
 
   host       execute_model minus the native layer loop call and the LM head (compute_logits)
-             (where the loop's call ends with the final norm, that norm is in the loop's
-             figure: a second phase alternates steps with it on and off, the loop's medians)
   sizer      the worker's team sizer around each step as worker_proc runs it (a TeamSizer over
              this host's /proc, its sizes not applied): before_step (between receiving a step
              and running it) and after_send (after the answer, where this tree has it)
@@ -66,13 +64,12 @@ def instrument(runner: ModelRunner) -> None:
 def measure(args) -> dict[str, float]:
     streams = args.streams
     runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
-                                      max_num_seqs=streams, num_gpu_blocks_override=640,
+                                      max_num_seqs=streams, num_gpu_blocks_override=512,
                                       num_threads=args.threads))
     sched = Scheduler(SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=4096,
                                       max_model_len=1024),
                       CacheConfig(16, runner.num_blocks, False))
-    params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 20,
-                             ignore_eos=True)  # the final-norm phase too
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(streams):
         sched.add_request(Request(str(i), list(range(1 + i, 65 + i)), params, arrival_time=0.0))
     execute = wrap("execute_model", runner.execute_model)
@@ -95,36 +92,7 @@ def measure(args) -> dict[str, float]:
         sched.update_from_output(so, out)
     ms = {name: s / args.steps * 1e3 for name, s in SECONDS.items()}
     ms["host"] = ms["execute_model"] - ms.get("native layer loop", 0.0) - ms["lm_head"]
-    if hasattr(native_layer_loop, "FINAL_NORM"):  # the final norm in the loop's call or not
-        ms.update(final_norm_phase(execute, sched, 2 * args.steps))
     return ms
-
-
-def final_norm_phase(execute, sched: Scheduler, steps: int) -> dict[str, float]:
-    """Steps alternating the final norm in the loop's call (on) and in Python (off): medians
-    per step of the native loop call and of the rest of execute_model (host + LM head, where
-    the final norm is when off), each way, and the median of the rest's paired differences
-    (off - on, adjacent steps)."""
-    times: dict[str, list[float]] = {}
-    try:
-        for i in range(steps):
-            on = i % 2 == 0
-            native_layer_loop.FINAL_NORM = on
-            SECONDS.clear()
-            so = sched.schedule()
-            sched.update_from_output(so, execute(so))
-            loop = SECONDS.get("native layer loop", 0.0) * 1e3
-            rest = SECONDS.get("execute_model", 0.0) * 1e3 - loop
-            way = "on" if on else "off"
-            times.setdefault(f"phase: native layer loop [final norm {way}]", []).append(loop)
-            times.setdefault(f"phase: execute - loop [final norm {way}]", []).append(rest)
-    finally:
-        native_layer_loop.FINAL_NORM = True
-    on, off = (times[f"phase: execute - loop [final norm {w}]"] for w in ("on", "off"))
-    out = {name: statistics.median(v) for name, v in times.items()}
-    out["phase: execute - loop, off - on (paired)"] = statistics.median(
-        b - a for a, b in zip(on, off))
-    return out
 
 
 def bench_argmax(args) -> None:
