@@ -26,7 +26,6 @@
 // Layouts (float32, row-major, rows contiguous; m token rows, row strides the widths):
 //   residual [m, hidden]          the float32 stream, updated in place
 //   pending  [m, hidden]          out: the last layer's MLP output, not yet added to residual
-//                                 (with Step::final_norm: added, and final_out the normed rows)
 //   h [m, hidden], qkv [m, (num_heads + 2 num_kv_heads) head_dim], attn [m, num_heads
 //   head_dim], gate_up [m, 2 intermediate], act [m, intermediate]: scratch
 //   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] per layer, float32 or
@@ -160,11 +159,6 @@ struct Step {
     // [m, max experts] float32, topk_ids int32 / topk_weights float32 [m, max top_k].
     uint16_t* h16; uint16_t* qkv16; uint16_t* attn16;
     float* logits; int32_t* topk_ids; float* topk_weights;
-    // The model's final norm (null: none; the caller adds pending and norms): residual +=
-    // pending, then final_out [m, hidden] (dtype code final_dtype: F32, BF16 or F16) =
-    // RMSNorm(residual) · final_norm with final_eps, the same norm kernel the caller's
-    // RMSNorm.add_and_norm runs, while the last layer's rows are still in cache.
-    void* final_out; const float* final_norm; int64_t final_dtype; float final_eps;
 };
 
 namespace {
@@ -427,14 +421,6 @@ int moe_mlp(const Kernels& f, const Model& d, const Layer& l, const Step& s, int
     return status;
 }
 
-// The model's final norm (Step::final_norm), in the enclosing region: residual += pending,
-// final_out = RMSNorm(residual) · final_norm.
-int final_norm(const Kernels& f, const Model& d, const Step& s) {
-    return f.norm(F32, static_cast<int>(s.final_dtype), s.final_out, d.hidden, s.pending,
-                  d.hidden, s.residual, d.hidden, s.final_norm, s.m, d.hidden, s.final_eps,
-                  TEAM);
-}
-
 }  // namespace
 
 extern "C" {
@@ -442,9 +428,7 @@ extern "C" {
 // Runs layers [0, num_layers) over the step's rows; residual starts as the embeddings.
 // One parallel region runs the layers up to the next MoE layer's experts (that layer's
 // attention half included); the experts run between regions (moe_mlp), and the next region
-// takes up from there. With Step::final_norm the model's final norm ends the last region (a
-// region of its own after a last MoE layer's experts). Status: 0, or the first failing
-// kernel's (the same on every thread).
+// takes up from there. Status: 0, or the first failing kernel's (the same on every thread).
 __attribute__((visibility("default")))
 int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, int num_layers,
                         const Step* s, int num_threads) {
@@ -461,7 +445,6 @@ int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, i
                 if (!mine) mine = dense_mlp(*f, *d, layers[i], *s, i);
             }
             if (!mine && stop < num_layers) mine = attention_half(*f, *d, layers[stop], *s, stop);
-            if (!mine && stop == num_layers && s->final_norm) mine = final_norm(*f, *d, *s);
             if (mine) {
 #pragma omp atomic write
                 status = mine;
@@ -470,16 +453,6 @@ int cpu_decoder_forward(const Kernels* f, const Model* d, const Layer* layers, i
         if (status || stop == num_layers) break;
         status = moe_mlp(*f, *d, layers[stop], *s, stop, num_threads);
         first = stop + 1;
-        if (!status && first == num_layers && s->final_norm) {  // the last layer's experts
-#pragma omp parallel num_threads(num_threads)
-            {
-                const int mine = final_norm(*f, *d, *s);
-                if (mine) {
-#pragma omp atomic write
-                    status = mine;
-                }
-            }
-        }
     }
     return status;
 }

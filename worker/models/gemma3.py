@@ -154,9 +154,6 @@ class Gemma3Model(nn.Module):
         if self.native_loop is None:
             self.native_loop = NativeLayerLoop.build(self) or False
         if self.native_loop and self.native_loop.takes(residual.shape[0], kv_caches):
-            if self.native_loop.ends_with(self.norm, embeds.dtype):
-                # the final norm ((1 + w) held in its weight) inside the loop's call
-                return self.native_loop(positions, residual, metadata, self.norm, embeds.dtype)
             pending = self.native_loop(positions, residual, metadata)
         else:
             pending = None

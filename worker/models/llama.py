@@ -186,9 +186,6 @@ class LlamaModel(nn.Module):
         if self.native_loop is None:
             self.native_loop = NativeLayerLoop.build(self) or False
         if self.native_loop and self.native_loop.takes(residual.shape[0], kv_caches):
-            if out_rows is None and self.native_loop.ends_with(self.norm, embeds.dtype):
-                # the final norm inside the loop's call (its kernel, on rows still in cache)
-                return self.native_loop(positions, residual, metadata, self.norm, embeds.dtype)
             pending = self.native_loop(positions, residual, metadata)
             if out_rows is not None and pending is not None:
                 pending, residual = pending[out_rows], residual[out_rows]

@@ -32,7 +32,6 @@ from worker.attention.kv_cache_spec import KVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.distributed.shm_all_reduce import ShmAllReduce
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.layers.layernorm import RMSNorm
 from worker.models.native_layer_table import LayerNorms, NativeMoe, layer_entry
 from worker.native import cpu_decoder
 from worker.native.cpu_decoder import (
@@ -45,12 +44,10 @@ from worker.native.cpu_decoder import (
     NativeDecoder,
     Step,
 )
-from worker.native.library import DTYPE_CODES
 
-__all__ = ["ENABLED", "LayerNorms", "NativeLayerLoop", "NativeMoe", "final_norm_taken"]
+__all__ = ["ENABLED", "LayerNorms", "NativeLayerLoop", "NativeMoe"]
 
 ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
-FINAL_NORM = os.environ.get("DELTASERVE_NATIVE_FINAL_NORM", "1") != "0"
 REDUCE_STATUS = 16  # cpu_decoder.cpp's: a failed all-reduce's status is this + its own
 logger = logging.getLogger("deltaserve")
 
@@ -63,14 +60,6 @@ def _shm(tp: TensorParallel, hidden: int) -> ShmAllReduce | None | bool:
     if tp.shm is None or not tp.shm.fits_bytes(MAX_ROWS * hidden * 4):
         return False
     return tp.shm
-
-
-def final_norm_taken(norm: nn.Module, hidden: int) -> bool:
-    """Whether the loop can end with `norm` (an RMSNorm, Gemma's (1 + w) one included: its
-    weight already holds 1 + w): cpu_rms_norm's float32 weight of [hidden]."""
-    weight = getattr(norm, "weight", None)
-    return (isinstance(norm, RMSNorm) and weight is not None and weight.dtype == torch.float32
-            and weight.is_cpu and weight.is_contiguous() and tuple(weight.shape) == (hidden,))
 
 
 def _guards(model: nn.Module) -> list:
@@ -151,12 +140,6 @@ class NativeLayerLoop:
             return None
         return cls(native, model, layers, shm, min(limits))
 
-    def ends_with(self, norm: nn.Module, out_dtype: torch.dtype) -> bool:
-        """Whether a call can end with `norm` as the model's final norm (`final`), its output
-        in `out_dtype` (DELTASERVE_NATIVE_FINAL_NORM=0: never, the caller norms)."""
-        return (FINAL_NORM and out_dtype in DTYPE_CODES
-                and final_norm_taken(norm, self._model.hidden))
-
     def takes(self, num_tokens: int, kv_caches: list[KVCache]) -> bool:
         if not 0 < num_tokens <= self.max_rows or not self._bind_caches(kv_caches):
             return False
@@ -192,21 +175,11 @@ class NativeLayerLoop:
             self._groups_key = key
 
     def __call__(self, positions: torch.Tensor, residual: torch.Tensor,
-                 metadata: AttentionMetadata, final: RMSNorm | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 metadata: AttentionMetadata) -> torch.Tensor:
         """residual [m, hidden] float32 (the embeddings; updated in place) -> the last layer's
         MLP output [m, hidden] float32, not yet added (a view of scratch, valid until the next
-        call). With `final` (the model's final norm, a float32 weight of [hidden]): the loop
-        ends with `final.add_and_norm(output, residual, out_dtype)`'s kernel, while the rows
-        are still in cache, and returns its result (a new [m, hidden] tensor of `out_dtype`,
-        float32, bfloat16 or float16; the same bits)."""
+        call)."""
         m = residual.shape[0]
-        out = None
-        if final is not None:
-            if not self.ends_with(final, out_dtype):
-                raise ValueError("the native loop's final norm takes a float32 weight of "
-                                 "[hidden] and a float32/bfloat16/float16 output")
-            out = torch.empty(m, residual.shape[1], dtype=out_dtype)
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         s = self._scratch
@@ -226,10 +199,7 @@ class NativeLayerLoop:
                     s["act"].data_ptr(), self._lora,
                     None if self._reduce is None else ctypes.addressof(self._reduce),
                     *(s[name].data_ptr() for name in ("h16", "qkv16", "attn16", "logits",
-                                                      "topk_ids", "topk_weights")),
-                    *((None, None, 0, 0.0) if out is None else
-                      (out.data_ptr(), final.weight.data_ptr(), DTYPE_CODES[out_dtype],
-                       final.eps)))
+                                                      "topk_ids", "topk_weights")))
         if self._reduce is not None:
             self._reduce.first_seq, self._reduce.calls = self._shm.next_seq, 0
         status = self._native.forward(ctypes.byref(self._native.kernels),
@@ -246,7 +216,7 @@ class NativeLayerLoop:
             raise IndexError("cpu_decoder_forward: a position is outside the rotary table")
         if status:
             raise RuntimeError(f"cpu_decoder_forward rejected its arguments (status {status})")
-        return self._pending[:m] if out is None else out
+        return self._pending[:m]
 
     def _count(self, m: int) -> None:
         self.steps += 1

@@ -94,10 +94,7 @@ class Step(ctypes.Structure):
                 ("num_groups", _I64), ("groups", Group * MAX_GROUPS), ("residual", _P),
                 ("pending", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
                 ("act", _P), ("lora", _P), ("reduce", _P), ("h16", _P), ("qkv16", _P),
-                ("attn16", _P), ("logits", _P), ("topk_ids", _P), ("topk_weights", _P),
-                # the model's final norm (null final_norm: none), cpu_decoder.cpp's Step
-                ("final_out", _P), ("final_norm", _P), ("final_dtype", _I64),
-                ("final_eps", _F32)]
+                ("attn16", _P), ("logits", _P), ("topk_ids", _P), ("topk_weights", _P)]
 
 
 @dataclass(frozen=True, slots=True)
