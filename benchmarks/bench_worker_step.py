@@ -5,16 +5,21 @@ model; milliseconds per step over --steps steps after 10 warm-up steps, each par
 wrapper around it (about 0.3 us each).
 
   host       execute_model minus the native layer loop call and the LM head (compute_logits)
+  sizer      the worker's team sizer around each step as worker_proc runs it (a TeamSizer over
+             this host's /proc, its sizes not applied): before_step (between receiving a step
+             and running it) and after_send (after the answer, where this tree has it)
   argmax     the sampler's greedy argmax alone, [streams, vocab] float32: torch.argmax and the
              native kernel (worker/kernels/argmax.h) in interleaved rounds, microseconds;
              hot (the same logits again) and cold (a ring of 256 MiB of logits)
 
 Run: python benchmarks/bench_worker_step.py [--streams 32] [--steps 60] [--argmax-only]
+     [--no-argmax]
 Two trees compared: run each tree's copy of this script in turn (it imports its own tree).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -25,6 +30,8 @@ from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
 from launch import SamplingParams
 from protocol import EngineConfig
 from worker import model_runner as model_runner_module
+from worker.host.load_meter import LoadMeter, engine_pids
+from worker.host.team_size import TeamSizer
 from worker.model_runner import ModelRunner
 from worker.models import native_layer_loop
 
@@ -70,10 +77,19 @@ def measure(args) -> dict[str, float]:
         so = sched.schedule()
         sched.update_from_output(so, runner.execute_model(so))
     instrument(runner)
+    sizer = TeamSizer(args.threads, LoadMeter(frozenset(os.sched_getaffinity(0)),
+                                              ours=engine_pids()))
+    before = wrap("sizer.before_step", sizer.before_step)
+    after_send = wrap("sizer.after_send", getattr(sizer, "after_send", lambda: None))
     SECONDS.clear()
     for _ in range(args.steps):
         so = sched.schedule()
-        sched.update_from_output(so, execute(so))
+        before(so.total_num_scheduled_tokens)  # its size not applied
+        start = time.perf_counter()
+        out = execute(so)
+        sizer.after_step(so.total_num_scheduled_tokens, time.perf_counter() - start)
+        after_send()
+        sched.update_from_output(so, out)
     ms = {name: s / args.steps * 1e3 for name, s in SECONDS.items()}
     ms["host"] = ms["execute_model"] - ms.get("native layer loop", 0.0) - ms["lm_head"]
     return ms
@@ -114,10 +130,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--argmax-only", action="store_true")
+    parser.add_argument("--no-argmax", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"tree {ROOT}", flush=True)
-    bench_argmax(args)
+    if not args.no_argmax:
+        bench_argmax(args)
     if args.argmax_only:
         return
     start = time.perf_counter()

@@ -24,17 +24,23 @@ class FakeLoad(LoadMeter):
 
 class Host:
     def __init__(self, others: float, step_s: dict[int, float], metered: bool = False,
-                 reserved: float = 0.0) -> None:
+                 reserved: float = 0.0, ahead: bool = False) -> None:
         self.now, self.others, self.others_s = 0.0, others, 0.0
         # metered: a real LoadMeter over this host's clock (windows, idle spells) instead of
         # a fresh reading of `others` at every step
-        self.load = (LoadMeter(frozenset({0, 1}), sample=lambda c, o: (self.now,
-                                                                     self.others_s, 0.0))
+        self.load = (LoadMeter(frozenset({0, 1}), sample=self._sample)
                      if metered else FakeLoad(frozenset({0, 1}), others=others))
+        self.ahead = ahead  # the worker's after_send after each step (the meter read there)
+        self.reads: list[str] = []  # where the meter read: "before_step" or "after_send"
+        self._where = ""
         self.step_s = step_s  # team size -> seconds per step (or a cycle of them)
         self.sizer = TeamSizer(2, self.load, trial_steps=4, backoff_s=1.0,
                                max_backoff_s=8.0, clock=lambda: self.now, reserved=reserved)
         self.sizes: list[int] = []
+
+    def _sample(self, cpus, ours) -> tuple[float, float, float]:
+        self.reads.append(self._where)
+        return self.now, self.others_s, 0.0
 
     def wait(self, seconds: float) -> None:
         self.now += seconds
@@ -42,6 +48,7 @@ class Host:
 
     def steps(self, n: int, rows: int = 1) -> None:
         for _ in range(n):
+            self._where = "before_step"
             size = self.sizer.before_step(rows)
             assert size == self.sizer.size
             self.sizes.append(size)
@@ -49,6 +56,9 @@ class Host:
             seconds = times[len(self.sizes) % len(times)] if isinstance(times, list) else times
             self.wait(seconds)
             self.sizer.after_step(rows, seconds)
+            if self.ahead:
+                self._where = "after_send"
+                self.sizer.after_send()
 
 
 def test_a_quiet_host_tries_nothing():
@@ -207,6 +217,48 @@ def test_no_idle_spell_between_steps_no_burst():
     host.steps(60)
     host.steps(3, rows=2048)  # back to back: the meter's windows are fresh enough
     assert host.sizes[-3:] == [1, 1, 1]
+
+
+def test_the_load_meter_takes_a_window_read_ahead():
+    samples = iter([(0.0, 0.0, 0.0), (0.3, 0.6, 0.3), (0.6, 1.2, 0.6), (5.0, 9.0, 2.0),
+                    (5.01, 9.0, 2.0)])
+    meter = LoadMeter(frozenset({0, 1}), interval_s=0.25, first_s=0.25,
+                      sample=lambda cpus, ours: next(samples))
+    meter.read_ahead(0.0)  # no window under way: nothing read
+    assert meter.update(0.0) is False  # the first sample
+    meter.read_ahead(0.1)  # not passed yet: nothing read
+    meter.read_ahead(0.3)  # passed: its end read now
+    meter.read_ahead(0.31)  # one sample ahead at most
+    assert meter.update(0.31) is True and meter.others == pytest.approx(1.0)  # not read
+    meter.read_ahead(0.6)
+    meter.restart()  # an idle spell drops the window, the sample read ahead with it
+    assert meter.update(5.0) is False and meter._last[0] == 5.0
+
+
+def _neighbour_story(host: Host) -> list[int]:
+    """A neighbour beside the steps, then gone while the worker idles, then back: the
+    team sizes the steps ran at."""
+    host.steps(60)
+    _leave_while_idling(host)
+    _return_after_idling(host, 0.05)
+    host.step_s[2] = 0.004
+    host.steps(400)
+    return host.sizes
+
+
+def test_reading_the_meter_after_the_answer_decides_the_same():
+    """The worker reads a passed window after sending a step's answer (after_send): the
+    sizes are the ones reading it before the next step gives (no time passes between the
+    two here), and before_step reads /proc only where a window starts (the first step and
+    after an idle spell)."""
+    hosts = [Host(1.0, {2: 0.05, 1: 0.015}, metered=True, ahead=ahead)
+             for ahead in (False, True)]
+    sizes = [_neighbour_story(host) for host in hosts]
+    assert sizes[0] == sizes[1] and len(set(sizes[0])) == 2
+    late, ahead = hosts
+    assert late.reads.count("before_step") > 20
+    assert ahead.reads.count("before_step") == 3  # the first step, two idle spells
+    assert ahead.reads.count("after_send") == late.reads.count("before_step") - 3
 
 
 def test_samples_of_this_host_are_consistent():

@@ -124,6 +124,8 @@ class WorkerProc:
                                          time.perf_counter() - start)
                 if self.rank == 0:
                     self._send(output)
+                if self.host is not None:
+                    self.host.after_send()  # /proc read here, not before the next step
             elif isinstance(message, LoadLoRA):
                 runner.lora.preload(message.lora_request)
             elif isinstance(message, UnloadLoRA):

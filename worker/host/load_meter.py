@@ -66,12 +66,23 @@ class LoadMeter:
     others: float = 0.0
     _last: Sample | None = None
     _window: float = 0.0  # the length of the window under way
+    _ahead: Sample | None = None  # the end of a passed window, read ahead (read_ahead)
+
+    def read_ahead(self, now: float) -> None:
+        """If the window under way has passed by `now`, read its end now (the worker calls
+        this after a step's answer is sent): the next update takes that sample instead of
+        reading /proc on the step's path."""
+        if (self._ahead is None and self._last is not None
+                and now - self._last[0] >= self._window):
+            self._ahead = self.sample(self.cpus, self.ours)
 
     def update(self, now: float) -> bool:
-        """Read a new window if one has passed; True when `others` is fresh."""
-        if self._last is not None and now - self._last[0] < self._window:
+        """Read a new window if one has passed (or take the sample read ahead); True when
+        `others` is fresh."""
+        if self._ahead is None and self._last is not None and now - self._last[0] < self._window:
             return False
-        sample = self.sample(self.cpus, self.ours)
+        sample = self._ahead or self.sample(self.cpus, self.ours)
+        self._ahead = None
         last, self._last = self._last, sample
         if last is None or sample[0] <= last[0]:
             self._window = self.first_s
@@ -84,5 +95,5 @@ class LoadMeter:
     def restart(self) -> None:
         """Drop the window under way (the worker idled through it: it would average what
         others did while nothing of ours ran) and start one of `first_s`."""
-        self._last = None
+        self._last = self._ahead = None
 

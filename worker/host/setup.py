@@ -35,6 +35,11 @@ class HostSetup:
                 torch.set_num_threads(size)
                 self.threads = size
 
+    def after_send(self) -> None:
+        """The step's answer is sent: the sizer's reading of /proc for the next step."""
+        if self.sizer is not None:
+            self.sizer.after_send()
+
     def after_step(self, rows: int, seconds: float) -> None:
         if self.sizer is not None and rows:
             before = self.sizer.current

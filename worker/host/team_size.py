@@ -20,7 +20,9 @@ faster), so the steps decide:
     and starts one of `first_s` (a host that went quiet while the worker idled is seen
     within a few steps); until it is read, a prefill-sized step (`burst_rows`) runs at the
     planned size (a batch's first step after idling beside a neighbour that has since left
-    would otherwise run at one thread: 10 % of a 32-stream run);
+    would otherwise run at one thread: 10 % of a 32-stream run). The worker reads a passed
+    window's end after sending a step's answer (`after_send`), off the path between
+    receiving a step and running it;
   * a trial runs `trial_steps` steps at the other size (its first step, which wakes or parks
     a thread, is not counted) and compares their mean time (what throughput counts: a
     collapsing pair is as fast as one thread on most steps and 10x slower on a few) with
@@ -118,6 +120,12 @@ class TeamSizer:
             self._consider(now, self.load.others)
         self.burst = self._stale and self.trial is None and rows >= self.burst_rows
         return self.size
+
+    def after_send(self) -> None:
+        """Off the step's path (its answer sent): read the load meter's window if it has
+        passed, for the next before_step (it reads only when no trial runs, as that does)."""
+        if self.trial is None:
+            self.load.read_ahead(self.clock())
 
     def _consider(self, now: float, others: float) -> None:
         """Start a trial of the size `others` CPUs of load leave room for, if worth it."""
