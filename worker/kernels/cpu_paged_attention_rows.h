@@ -115,23 +115,21 @@ SIMD_INLINE Vec key_dots(const float* q, const T* cache, const int64_t* off, int
 }
 
 // a_r = a_r * alpha[r] + sum_{t < vis[r]} p_r[t] v_t over NV vectors of columns from col,
-// for rows a + r * a_stride (fp32) and p + r * KC; vis grows with r. Each V row is loaded
-// once for the whole group, and only into the rows that see it (p_r[t] is 0 past vis[r],
-// but 0 * inf would still be NaN).
-template <typename T, int R, int NV>
-void accumulate_columns(const T* cache, const int64_t* off, const int* vis, const float* p,
-                        const float* alpha, int col, float* a, int64_t a_stride) {
+// for rows a + r * a_stride (fp32) and p + r * KC; vis grows with r; `row(t, vt)` loads V row
+// t's NV vectors (from col). Each V row is loaded once for the whole group, and only into the
+// rows that see it (p_r[t] is 0 past vis[r], but 0 * inf would still be NaN).
+template <int R, int NV, class Row>
+SIMD_INLINE void accumulate_rows(const int* vis, const float* p, const float* alpha, int col,
+                                 float* a, int64_t a_stride, const Row& row) {
     Vec acc[R][NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int i = 0; i < NV; ++i) acc[r][i] = load(a + r * a_stride + col + i * W) * alpha[r];
     const auto add = [&](int t, bool all) __attribute__((always_inline)) {
-        const T* v = cache + off[t] + col;
         Vec vt[NV];
-#pragma GCC unroll 4
-        for (int i = 0; i < NV; ++i) vt[i] = load(v + i * W);
-#pragma GCC unroll 4
+        row(t, vt);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
             if (all || t < vis[r])
 #pragma GCC unroll 4
@@ -140,10 +138,22 @@ void accumulate_columns(const T* cache, const int64_t* off, const int* vis, cons
     int t = 0;
     for (; t < vis[0]; ++t) add(t, true);
     for (; t < vis[R - 1]; ++t) add(t, false);  // the causal diagonal of a prefill tile
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int i = 0; i < NV; ++i) store(a + r * a_stride + col + i * W, acc[r][i]);
+}
+
+// accumulate_rows over V rows of T, widened as they load.
+template <typename T, int R, int NV>
+void accumulate_columns(const T* cache, const int64_t* off, const int* vis, const float* p,
+                        const float* alpha, int col, float* a, int64_t a_stride) {
+    accumulate_rows<R, NV>(vis, p, alpha, col, a, a_stride,
+                           [&](int t, Vec (&vt)[NV]) __attribute__((always_inline)) {
+        const T* v = cache + off[t] + col;
+#pragma GCC unroll 4
+        for (int i = 0; i < NV; ++i) vt[i] = load(v + i * W);
+    });
 }
 
 // The same over all of head_dim: blocks of NVC vectors, then 1-3, then a partial vector

@@ -40,7 +40,7 @@ inline void transpose_keys_split(const bf16* cache, const int64_t* off, int n, i
     }
 }
 
-// accumulate() for bf16 V rows in the split layout (load_words): per block of 2W columns, a
+// accumulate_rows for bf16 V rows in the split layout (load_words): per block of 2W columns, a
 // holds the W even columns, then the W odd ones (Tile::store puts them back in order). Every
 // column gets the same products in the same order as in accumulate(); each V row is loaded
 // and widened once per group and NP blocks.
@@ -48,34 +48,16 @@ template <int R, int NP>
 void accumulate_split_columns(const bf16* cache, const int64_t* off, const int* vis,
                               const float* p, const float* alpha, int col, float* a,
                               int64_t a_stride) {
-    constexpr int NV = 2 * NP;
-    Vec acc[R][NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-        for (int i = 0; i < NV; ++i) acc[r][i] = load(a + r * a_stride + col + i * W) * alpha[r];
-    const auto add = [&](int t, bool all) __attribute__((always_inline)) {
+    accumulate_rows<R, 2 * NP>(vis, p, alpha, col, a, a_stride,
+                               [&](int t, Vec (&vt)[2 * NP]) __attribute__((always_inline)) {
         const bf16* v = cache + off[t] + col;
-        Vec vt[NV];
 #pragma GCC unroll 4
         for (int b = 0; b < NP; ++b) {
             const VecU32 u = load_words(v + b * 2 * W);
             vt[2 * b] = even_of(u);
             vt[2 * b + 1] = odd_of(u);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            if (all || t < vis[r])
-#pragma GCC unroll 4
-                for (int i = 0; i < NV; ++i) acc[r][i] += p[r * KC + t] * vt[i];
-    };
-    int t = 0;
-    for (; t < vis[0]; ++t) add(t, true);
-    for (; t < vis[R - 1]; ++t) add(t, false);  // the causal diagonal of a prefill tile
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-        for (int i = 0; i < NV; ++i) store(a + r * a_stride + col + i * W, acc[r][i]);
+    });
 }
 
 // The same over all of head_dim (a multiple of 2W): R x 2NP accumulators stay in registers.
