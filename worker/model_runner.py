@@ -268,17 +268,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if len(rows) == len(hidden) else hidden[rows])
         if step.num_drafts is not None:
             return self._verify(so, step, sampled_rows, logits)
-        metadata = step.sampling
-        if metadata is None:  # not gathered before the forward
-            metadata = self._sampling_metadata(so, step)
-        tokens, logprobs = self.sampler.sample(logits, metadata)
+        tokens, logprobs = self.sampler.sample(logits, step.sampling)  # execute_model's
         self.input_batch.append_tokens(sampled_rows, tokens)
         return ([[token] for token in tokens],
                 logprobs and [[e] if e is not None else None for e in logprobs])
 
     def _sampling_metadata(self, so: SchedulerOutput, step: StepInputs,
                            ) -> SamplingMetadata | None:
-        """A plain step's sampler inputs for its sampled rows (None: nothing sampled)."""
+        """A step's sampler inputs for its sampled rows (None: nothing sampled), gathered by
+        execute_model before the forward for every step _sample samples."""
         sampled_rows = step.rows[step.sampled]
         if not len(sampled_rows):
             return None

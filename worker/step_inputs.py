@@ -30,7 +30,7 @@ class StepInputs:
     num_drafts: np.ndarray | None = None
     counts: np.ndarray | None = None  # [num_reqs] tokens each request computes in the step
     lora_ids: np.ndarray | None = None  # [num_reqs] each request's LoRA adapter id (0: none)
-    # A plain step's sampler inputs for its sampled rows, gathered before the forward (the
+    # A step's sampler inputs for its sampled rows (no drafts), gathered before the forward (the
     # model runner's; None: not gathered, or nothing sampled).
     sampling: SamplingMetadata | None = None
 
