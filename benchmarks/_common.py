@@ -61,6 +61,23 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     return so
 
 
+def in_process(model_dir: str, dtype: str, threads: int, streams: int,
+               max_num_batched_tokens: int = 4096, **scheduler: object) -> tuple:
+    """A ModelRunner for `streams` sequences of up to 1,024 tokens (512 KV blocks of 16) and a
+    Scheduler over its blocks, no prefix caching (`scheduler`: more SchedulerConfig options):
+    the MoE step benchmarks' engine in this process. Imports torch (the runner) when called."""
+    from protocol import EngineConfig
+    from worker.model_runner import ModelRunner
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype=dtype, max_model_len=1024,
+                                      max_num_seqs=streams, num_gpu_blocks_override=512,
+                                      num_threads=threads))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=streams,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=1024, **scheduler),
+                      CacheConfig(16, runner.num_blocks, False))
+    return runner, sched
+
+
 @contextlib.contextmanager
 def worker_env(env: dict[str, str]) -> Iterator[None]:
     """`env` in os.environ while an engine starts (its processes inherit it)."""

@@ -21,12 +21,11 @@ import random
 import time
 
 import torch
-from _common import spread
+from _common import in_process, spread
 from bench_moe_step import SECONDS, instrument, wrap
 
-from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+from engine_core import Request, Scheduler
 from launch import SamplingParams
-from protocol import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.native import fused_moe
 from worker.native.library import entry_point
@@ -60,14 +59,10 @@ def main() -> None:
                         help="fused_moe builds to alternate between (default: this tree's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
-                                      max_num_seqs=PROMPTS, num_gpu_blocks_override=512,
-                                      num_threads=args.threads))
-    instrument(runner, layers=True)
     # one scheduler (the runner checks step numbers), its token budget set before each prefill
-    config = SchedulerConfig(max_num_seqs=PROMPTS, max_num_batched_tokens=max(args.chunk),
-                             max_model_len=1024, enable_chunked_prefill=True)
-    sched = Scheduler(config, CacheConfig(16, runner.num_blocks, False))
+    runner, sched = in_process(args.model_dir, args.dtype, args.threads, PROMPTS,
+                               max(args.chunk), enable_chunked_prefill=True)
+    instrument(runner, layers=True)
     experts = [layer.mlp.experts.fused_experts for layer in runner.model.model.layers
                if getattr(layer.mlp.experts, "fused_experts", None) is not None]
     libraries = {path: entry_point(path, "fused_moe_forward", fused_moe._FORWARD_ARGS)
@@ -81,7 +76,7 @@ def main() -> None:
         for lib, c in runs:  # libraries and chunk sizes interleaved
             for fused in experts if libraries[lib] is not None else ():
                 fused._forward = libraries[lib]
-            object.__setattr__(config, "max_num_batched_tokens", c)
+            object.__setattr__(sched.scheduler_config, "max_num_batched_tokens", c)
             SECONDS.clear()
             seconds = prefill(runner, sched, rng, f"{r}-{lib}-{c}")
             if r == 0:

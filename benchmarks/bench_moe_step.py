@@ -18,11 +18,10 @@ import argparse
 import time
 
 import torch
-from _common import ROOT, Timers  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT, Timers, in_process  # noqa: F401  (ROOT puts the repository on sys.path)
 
-from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+from engine_core import Request
 from launch import SamplingParams
-from protocol import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.models.native_layer_loop import NativeLayerLoop
 
@@ -60,15 +59,10 @@ def instrument(runner: ModelRunner, layers: bool) -> None:
 
 
 def measure(args, streams: int) -> None:
-    runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
-                                      max_num_seqs=streams, num_gpu_blocks_override=512,
-                                      num_threads=args.threads))
+    runner, sched = in_process(args.model_dir, args.dtype, args.threads, streams)
     loop = None if args.python_loop else NativeLayerLoop.build(runner.model.model)
     native = loop is not None and streams <= loop.max_rows
     instrument(runner, layers=not native)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=4096,
-                                      max_model_len=1024),
-                      CacheConfig(16, runner.num_blocks, False))
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(streams):
         sched.add_request(Request(str(i), list(range(1 + i, 17 + i)), params, arrival_time=0.0))

@@ -24,11 +24,10 @@ import statistics
 import time
 
 import torch
-from _common import ROOT, Timers, median_us  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT, Timers, in_process, median_us  # noqa: F401  (ROOT puts the repository on sys.path)
 
-from engine_core import CacheConfig, Request, Scheduler, SchedulerConfig
+from engine_core import Request
 from launch import SamplingParams
-from protocol import EngineConfig
 from worker import model_runner as model_runner_module
 from worker.host.load_meter import LoadMeter, engine_pids
 from worker.host.team_size import TeamSizer
@@ -63,12 +62,7 @@ def instrument(runner: ModelRunner) -> None:
 
 def measure(args) -> dict[str, float]:
     streams = args.streams
-    runner = ModelRunner(EngineConfig(model=args.model_dir, dtype=args.dtype, max_model_len=1024,
-                                      max_num_seqs=streams, num_gpu_blocks_override=512,
-                                      num_threads=args.threads))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=4096,
-                                      max_model_len=1024),
-                      CacheConfig(16, runner.num_blocks, False))
+    runner, sched = in_process(args.model_dir, args.dtype, args.threads, streams)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
     for i in range(streams):
         sched.add_request(Request(str(i), list(range(1 + i, 65 + i)), params, arrival_time=0.0))
