@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.byte_size import byte_size
 from worker.attention.kv_cache_spec import KVCache, KVCacheSpec
-from worker.host.memory import available_memory, byte_size
+from worker.host.memory import available_memory
 
 # Default CPU budget when none is given (vLLM's CPU backend also defaults to 4 GiB).
 _CPU_DEFAULT_BYTES = 4 << 30

@@ -8,13 +8,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.byte_size import byte_size
 from protocol.engine_config import EngineConfig
 from protocol.model_runner_output import ModelRunnerOutput
 from protocol.scheduler_output import SchedulerOutput
 from worker.attention.selector import make_attention_backend
 from worker.device import resolve_compute_dtype, resolve_device
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.host.memory import available_memory, byte_size
+from worker.host.memory import available_memory
 from worker.input_batch import InputBatch, StepProtocolError, as_array
 from worker.kv_cache import KVCacheSize, allocate_kv_cache, determine_num_blocks
 from worker.layers import bf16_linear

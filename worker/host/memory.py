@@ -1,16 +1,12 @@
 """The memory this host can still give a worker: what the kernel reports available, capped
-by a cgroup memory limit on the process's path and by `DELTASERVE_MEMORY_LIMIT`. (`byte_size`,
-which formats such figures, lives in common/byte_size.py.)"""
+by a cgroup memory limit on the process's path and by `DELTASERVE_MEMORY_LIMIT`."""
 from __future__ import annotations
 
 import os
 
 import psutil
 
-from common.byte_size import byte_size
 from worker.host.cgroup import cgroup_memory_room
-
-__all__ = ["LIMIT_ENV", "available_memory", "byte_size"]
 
 LIMIT_ENV = "DELTASERVE_MEMORY_LIMIT"  # bytes: the most this host is taken to have available
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.byte_size import byte_size
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.host.memory import byte_size
 from worker.layers import onednn_linear
 from worker.native import gguf_ops
 
