@@ -12,7 +12,8 @@ import torch
 from common.log_limiter import LogLimiter
 from protocol import EngineConfig
 from worker.host import amx, malloc, openmp
-from worker.host.team_size import LoadMeter, TeamSizer, engine_pids
+from worker.host.load_meter import LoadMeter, engine_pids
+from worker.host.team_size import TeamSizer
 from worker.host.threads import ThreadPlan, plan_threads
 
 logger = logging.getLogger("deltaserve")

@@ -50,10 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.host.load_meter import LoadMeter, Sample, engine_pids, read_sample
-
-__all__ = ["RISE", "LoadMeter", "Sample", "TeamSizer", "engine_pids", "read_sample",
-           "team_size"]
+from worker.host.load_meter import LoadMeter
 
 RISE = 0.4  # CPUs of other processes' load that end a losing trial's backoff
 

@@ -20,7 +20,8 @@ from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.adapters import Gemma3Facts
 from worker.models.config import ModelConfig
-from worker.models.native_layer_loop import LayerNorms, NativeLayerLoop
+from worker.models.native_layer_loop import NativeLayerLoop
+from worker.models.native_layer_table import LayerNorms
 
 
 class Gemma3Attention(nn.Module):

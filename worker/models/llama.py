@@ -18,7 +18,8 @@ from worker.layers.quantization.base import QuantizationConfig
 from worker.layers.rotary_embedding import RotaryEmbedding
 from worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.models.config import ModelConfig
-from worker.models.native_layer_loop import LayerNorms, NativeLayerLoop
+from worker.models.native_layer_loop import NativeLayerLoop
+from worker.models.native_layer_table import LayerNorms
 
 
 class LlamaAttention(nn.Module):

@@ -18,7 +18,7 @@ from worker.layers.linear import ReplicatedLinear
 from worker.layers.quantization.base import QuantizationConfig
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaMLP
-from worker.models.native_layer_loop import NativeMoe
+from worker.models.native_layer_table import NativeMoe
 
 
 class SparseMoeBlock(nn.Module):

@@ -32,7 +32,7 @@ from worker.attention.kv_cache_spec import KVCache
 from worker.attention.metadata import AttentionMetadata
 from worker.distributed.shm_all_reduce import ShmAllReduce
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.models.native_layer_table import LayerNorms, NativeMoe, layer_entry
+from worker.models.native_layer_table import layer_entry
 from worker.native import cpu_decoder
 from worker.native.cpu_decoder import (
     MAX_GROUPS,
@@ -44,8 +44,6 @@ from worker.native.cpu_decoder import (
     NativeDecoder,
     Step,
 )
-
-__all__ = ["ENABLED", "LayerNorms", "NativeLayerLoop", "NativeMoe"]
 
 ENABLED = os.environ.get("DELTASERVE_NATIVE_LAYERS", "1") != "0"
 REDUCE_STATUS = 16  # cpu_decoder.cpp's: a failed all-reduce's status is this + its own
